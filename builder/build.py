@@ -1,0 +1,133 @@
+"""``trtllm-lite build``: checkpoint -> engine directory (graphs, weights, tokenizer, manifest)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import onnx
+
+from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST
+
+from .export_onnx import export_graphs
+from .loaders import load_model
+
+BACKENDS = ("onnxruntime",)
+
+
+@dataclass
+class BuildConfig:
+    """Build-time limits, in the TensorRT-LLM habit (``max_batch_size`` ~ ``max_num_seqs``).
+
+    ``max_num_batched_tokens``: tokens one step may compute (the token budget);
+    ``max_seq_len``: prompt + output tokens of one sequence; ``block_size``: tokens per KV block.
+    """
+
+    backend: str = "onnxruntime"
+    dtype: str = "float32"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_seq_len: int = 2048
+
+    def validate(self, max_positions: int) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend {self.backend!r} is not built here; choose from {BACKENDS}")
+        if self.dtype != "float32":
+            raise ValueError(f"--dtype {self.dtype!r}: the onnxruntime backend builds float32")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len > max_positions:
+            raise ValueError(f"--max-seq-len {self.max_seq_len} exceeds the model's "
+                             f"max_position_embeddings ({max_positions})")
+
+
+def _log(msg: str) -> None:
+    print(f"[build] {msg}", file=sys.stderr, flush=True)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("trtllm-lite", "onnx", "onnxruntime", "numpy", "gguf", "transformers", "torch"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def build_engine(model: str, output: str, build_config: BuildConfig | None = None) -> str:
+    """Build an engine directory from ``model`` (short name, GGUF file or HF directory).
+
+    Returns the engine directory. Raises ``FileNotFoundError`` for an unknown model,
+    ``UnsupportedModelError`` for an unsupported architecture or missing tensor, and
+    ``ValueError`` for bad build options.
+    """
+    bc = build_config or BuildConfig()
+    t0 = time.time()
+    _log(f"loading {model}")
+    loaded = load_model(model)
+    cfg = loaded.config
+    bc.max_seq_len = min(bc.max_seq_len, cfg.max_position_embeddings)
+    bc.validate(cfg.max_position_embeddings)
+    _log(f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
+         f"{cfg.num_heads}/{cfg.num_kv_heads} kv, {cfg.num_parameters / 1e6:.1f} M parameters "
+         f"({time.time() - t0:.1f} s)")
+    os.makedirs(output, exist_ok=True)
+    graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len)
+    _log(f"exported prefill and decode graphs ({len(graphs['decode'].graph.node)} nodes each)")
+
+    def progress(done, total):
+        if done == total or done % 50 == 0:
+            _log(f"writing weights {done}/{total}")
+
+    weight_table = store.write(os.path.join(output, store.filename), progress)
+    for kind, graph in graphs.items():
+        onnx.save(graph, os.path.join(output, f"{kind}.onnx"))
+        onnx.checker.check_model(os.path.join(output, f"{kind}.onnx"))
+    tokenizer_files = loaded.tokenizer_saver(output) if loaded.tokenizer_saver else []
+    _log(f"tokenizer files: {tokenizer_files or 'none (token-id prompts only)'}")
+
+    manifest = {
+        "format_version": ENGINE_FORMAT_VERSION,
+        "model": cfg.to_dict(),
+        "build": asdict(bc),
+        "source": {"path": os.path.abspath(loaded.source), "format": loaded.source_format},
+        "graphs": {kind: {"file": f"{kind}.onnx",
+                          "inputs": [i.name for i in g.graph.input],
+                          "outputs": [o.name for o in g.graph.output]} for kind, g in graphs.items()},
+        "weights": {"file": store.filename, "tensors": weight_table},
+        "tokenizer": {"files": tokenizer_files},
+        "files": {},
+        "versions": _versions(),
+    }
+    for name in sorted(os.listdir(output)):
+        if name != MANIFEST and os.path.isfile(os.path.join(output, name)):
+            manifest["files"][name] = _sha256(os.path.join(output, name))
+    with open(os.path.join(output, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    _compile_check(output)
+    _log(f"engine ready in {output} ({time.time() - t0:.1f} s)")
+    return output
+
+
+def _compile_check(output: str) -> None:
+    """The onnxruntime backend 'compiles' by loading both sessions once."""
+    from trtllm_lite.engine_dir import load_engine_dir
+    from trtllm_lite.runners.onnxruntime_runner import create_sessions
+
+    create_sessions(load_engine_dir(output), num_threads=None)

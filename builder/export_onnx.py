@@ -1,0 +1,205 @@
+"""Export a decoder-only model into the **prefill** and **decode** ONNX graphs.
+
+Both graphs take packed tokens (no padding tokens are computed) and the paged-KV metadata,
+and share one external weights file. Graph I/O (``T`` tokens, ``S`` sequences)::
+
+    inputs   input_ids        [T]                int64
+             positions        [T]                int64   position of each token in its sequence
+             slot_mapping     [T]                int64   flat KV pool slot of each token
+             block_tables     [S, max_blocks]    int64
+             context_lens     [S]                int64   tokens already cached before the step
+             query_start_loc  [S + 1]            int64
+             logits_indices   [N]                int64   (prefill only) tokens whose logits to return
+             key_cache.{i}, value_cache.{i}  [num_blocks, block_size, num_kv_heads, head_dim]  float32
+    outputs  logits           [N, vocab] (prefill) / [S, vocab] (decode)  float32
+             new_keys, new_values  [num_layers, T, num_kv_heads, head_dim]  float32
+                              the step's K/V, which the runtime stores at slot_mapping
+
+In decode, ``T == S`` and ``query_start_loc == arange(S + 1)``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from .model_config import ModelConfig
+from .onnx_graph import OPSET, NodeWriter, WeightStore
+from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function
+
+GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
+                "query_start_loc")
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies ``[head_dim / 2]`` float64, with linear / llama3 scaling.
+
+    Source: RoFormer (Su et al. 2021); llama3 scaling as in Meta's Llama 3.1 reference code.
+    """
+    d = config.head_dim
+    inv = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    s = config.rope_scaling
+    if not s:
+        return inv
+    if s["rope_type"] == "linear":
+        return inv / s["factor"]
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * np.pi / inv
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+
+
+class DecoderGraphWriter:
+    """Writes one graph (prefill or decode) over the shared :class:`WeightStore`."""
+
+    def __init__(self, config: ModelConfig, weights: WeightStore, max_seq_len: int, kind: str):
+        self.c, self.weights, self.kind = config, weights, kind
+        self.max_seq_len = max_seq_len
+        self.w = NodeWriter()
+        self.used: list[str] = []
+
+    def weight(self, name: str) -> str:
+        if name not in self.weights.arrays:
+            raise KeyError(f"weight {name!r} missing")
+        if name not in self.used:
+            self.used.append(name)
+        return name
+
+    def has(self, name: str) -> bool:
+        return name in self.weights.arrays
+
+    # -- building blocks ------------------------------------------------------------------
+    def linear(self, x: str, prefix: str) -> str:
+        """``x [T, in] @ W^T (+ b)`` with ``W [out, in]`` stored as the checkpoint keeps it."""
+        args = [x, self.weight(prefix + ".weight")]
+        if self.has(prefix + ".bias"):
+            args.append(self.weight(prefix + ".bias"))
+        return self.w.op("Gemm", *args, transB=1)
+
+    def norm(self, x: str, prefix: str) -> str:
+        w, eps = self.w, self.c.norm_eps
+        if self.c.family == "gpt2":
+            return w.op("LayerNormalization", x, self.weight(prefix + ".weight"),
+                        self.weight(prefix + ".bias"), axis=-1, epsilon=eps)
+        ms = w.op("ReduceMean", w.op("Mul", x, x), w.const([-1]), keepdims=1)
+        inv = w.op("Reciprocal", w.op("Sqrt", w.op("Add", ms, w.const(eps, np.float32))))
+        return w.op("Mul", w.op("Mul", x, inv), self.weight(prefix + ".weight"))
+
+    def rope(self, x: str, cos: str, sin: str) -> str:
+        """Rotate-half rotary embedding on ``x [T, heads, D]``; cos/sin ``[T, 1, D/2]``."""
+        w = self.w
+        x1, x2 = w.op("Split", x, axis=-1, num_outputs=2, outputs=2)
+        return w.op("Concat", w.op("Sub", w.op("Mul", x1, cos), w.op("Mul", x2, sin)),
+                    w.op("Add", w.op("Mul", x2, cos), w.op("Mul", x1, sin)), axis=-1)
+
+    def attention(self, i: int, x: str, cos: str | None, sin: str | None) -> tuple[str, str, str]:
+        c, w = self.c, self.w
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = self.linear(x, f"layers.{i}.qkv")
+        q, k, v = w.op("Split", qkv, w.const([hq * d, hkv * d, hkv * d]), axis=1, outputs=3)
+        q = w.op("Reshape", q, w.const([-1, hq, d]))
+        k = w.op("Reshape", k, w.const([-1, hkv, d]))
+        v = w.op("Reshape", v, w.const([-1, hkv, d]))
+        if cos is not None:
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        out = w.op(OP_TYPE, q, k, v, f"key_cache.{i}", f"value_cache.{i}", *GRAPH_INPUTS[2:],
+                   domain=DOMAIN, name=f"layers.{i}.paged_attention",
+                   num_heads=hq, num_kv_heads=hkv, scale=float(d) ** -0.5)
+        out = w.op("Reshape", out, w.const([-1, hq * d]))
+        return self.linear(out, f"layers.{i}.o"), k, v
+
+    def mlp(self, i: int, x: str) -> str:
+        w = self.w
+        if self.c.family == "gpt2":
+            return self.linear(w.op("Gelu", self.linear(x, f"layers.{i}.up"), approximate="tanh"),
+                               f"layers.{i}.down")
+        gate, up = w.op("Split", self.linear(x, f"layers.{i}.gate_up"), axis=1, num_outputs=2, outputs=2)
+        return self.linear(w.op("Mul", w.op("Mul", gate, w.op("Sigmoid", gate)), up), f"layers.{i}.down")
+
+    # -- the whole graph ------------------------------------------------------------------
+    def build(self) -> onnx.ModelProto:
+        c, w = self.c, self.w
+        x = w.op("Gather", self.weight("embed.weight"), "input_ids", axis=0)      # [T, hidden]
+        cos = sin = None
+        if c.family == "gpt2":
+            x = w.op("Add", x, w.op("Gather", self.weight("pos_embed.weight"), "positions", axis=0))
+        else:
+            cos = w.op("Unsqueeze", w.op("Gather", self.weight("rope.cos"), "positions", axis=0), w.const([1]))
+            sin = w.op("Unsqueeze", w.op("Gather", self.weight("rope.sin"), "positions", axis=0), w.const([1]))
+        new_keys, new_values = [], []
+        for i in range(c.num_layers):
+            attn, k, v = self.attention(i, self.norm(x, f"layers.{i}.attn_norm"), cos, sin)
+            x = w.op("Add", x, attn)
+            x = w.op("Add", x, self.mlp(i, self.norm(x, f"layers.{i}.mlp_norm")))
+            new_keys.append(w.op("Unsqueeze", k, w.const([0])))
+            new_values.append(w.op("Unsqueeze", v, w.const([0])))
+        w.op("Concat", *new_keys, axis=0, outputs=["new_keys"])
+        w.op("Concat", *new_values, axis=0, outputs=["new_values"])
+        if self.kind == "prefill":
+            x = w.op("Gather", x, "logits_indices", axis=0)
+        lm_head = "embed.weight" if c.tie_word_embeddings else "lm_head.weight"
+        h = self.norm(x, "final_norm")
+        w.op("Gemm", h, self.weight(lm_head), transB=1, outputs=["logits"])
+        return self._model()
+
+    def _model(self) -> onnx.ModelProto:
+        c = self.c
+        f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+        kv = [c.num_kv_heads, c.head_dim]
+        inputs = [helper.make_tensor_value_info("input_ids", i64, ["num_tokens"]),
+                  helper.make_tensor_value_info("positions", i64, ["num_tokens"]),
+                  helper.make_tensor_value_info("slot_mapping", i64, ["num_tokens"]),
+                  helper.make_tensor_value_info("block_tables", i64, ["num_seqs", "max_blocks_per_seq"]),
+                  helper.make_tensor_value_info("context_lens", i64, ["num_seqs"]),
+                  helper.make_tensor_value_info("query_start_loc", i64, ["num_seqs_plus_1"])]
+        if self.kind == "prefill":
+            inputs.append(helper.make_tensor_value_info("logits_indices", i64, ["num_logits"]))
+        for i in range(c.num_layers):
+            for name in (f"key_cache.{i}", f"value_cache.{i}"):
+                inputs.append(helper.make_tensor_value_info(name, f32, ["num_blocks", "block_size", *kv]))
+        rows = "num_logits" if self.kind == "prefill" else "num_seqs"
+        outputs = [helper.make_tensor_value_info("logits", f32, [rows, c.vocab_size]),
+                   helper.make_tensor_value_info("new_keys", f32, [c.num_layers, "num_tokens", *kv]),
+                   helper.make_tensor_value_info("new_values", f32, [c.num_layers, "num_tokens", *kv])]
+        graph = helper.make_graph(self.w.nodes, self.kind, inputs, outputs,
+                                  initializer=self.weights.initializer_protos(self.used))
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
+            functions=[make_onnx_function()], producer_name="trtllm-lite")
+        model.ir_version = 10
+        return model
+
+
+def add_rope_tables(config: ModelConfig, weights: WeightStore, max_seq_len: int) -> None:
+    """Precompute cos/sin ``[max_seq_len, head_dim / 2]`` float32 into the weight store."""
+    if config.family == "gpt2":
+        return
+    angles = np.outer(np.arange(max_seq_len, dtype=np.float64), rope_inv_freq(config))
+    weights.add("rope.cos", np.cos(angles).astype(np.float32))
+    weights.add("rope.sin", np.sin(angles).astype(np.float32))
+
+
+def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_len: int
+                  ) -> tuple[dict[str, onnx.ModelProto], WeightStore]:
+    """Build the prefill and decode graphs over one weight store.
+
+    Args:
+        config: the model.
+        weights: canonical float32 weights (see :mod:`builder.loaders`).
+        max_seq_len: longest sequence (prompt + output) the engine serves, tokens.
+    Returns:
+        ``({"prefill": model, "decode": model}, store)``; write the store with ``store.write``.
+    """
+    store = WeightStore()
+    for name, arr in weights.items():
+        store.add(name, arr.astype(np.float32, copy=False))
+    add_rope_tables(config, store, max_seq_len)
+    if config.family == "gpt2" and max_seq_len > config.max_position_embeddings:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds GPT-2's learned positions "
+                         f"({config.max_position_embeddings})")
+    graphs = {kind: DecoderGraphWriter(config, store, max_seq_len, kind).build()
+              for kind in ("prefill", "decode")}
+    return graphs, store

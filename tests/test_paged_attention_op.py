@@ -1,0 +1,95 @@
+"""The PagedAttention ONNX function body against the float64 numpy reference."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from builder.onnx_graph import OPSET
+from builder.paged_attention import (DOMAIN, INPUT_NAMES, OP_TYPE, make_onnx_function,
+                                     reference_paged_attention, write_kv_reference)
+
+
+def single_op_session(num_heads, num_kv_heads, head_dim):
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    dims = {"query": (f32, ["T", num_heads, head_dim]), "key": (f32, ["T", num_kv_heads, head_dim]),
+            "value": (f32, ["T", num_kv_heads, head_dim]),
+            "key_cache": (f32, ["N", "B", num_kv_heads, head_dim]),
+            "value_cache": (f32, ["N", "B", num_kv_heads, head_dim]),
+            "slot_mapping": (i64, ["T"]), "block_tables": (i64, ["S", "M"]),
+            "context_lens": (i64, ["S"]), "query_start_loc": (i64, ["S1"])}
+    inputs = [helper.make_tensor_value_info(n, *dims[n]) for n in INPUT_NAMES]
+    node = helper.make_node(OP_TYPE, list(INPUT_NAMES), ["output"], domain=DOMAIN,
+                            num_heads=num_heads, num_kv_heads=num_kv_heads, scale=head_dim ** -0.5)
+    graph = helper.make_graph([node], "pa", inputs,
+                              [helper.make_tensor_value_info("output", f32, ["T", num_heads, head_dim])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid(DOMAIN, 1)],
+                              functions=[make_onnx_function()])
+    onnx.checker.check_model(model, full_check=True)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def random_step(rng, context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size):
+    """Random pools with the context already written, and a packed step of new tokens."""
+    num_seqs = len(context_lens)
+    blocks_per_seq = [-(-(c + q) // block_size) for c, q in zip(context_lens, query_lens)]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = rng.permutation(num_blocks)
+    max_blocks = max(blocks_per_seq)
+    block_tables = np.zeros((num_seqs, max_blocks), np.int64)
+    at = 0
+    for s, n in enumerate(blocks_per_seq):
+        block_tables[s, :n] = perm[at:at + n]
+        at += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = rng.standard_normal(shape).astype(np.float32)
+    value_cache = rng.standard_normal(shape).astype(np.float32)
+    num_tokens = sum(query_lens)
+    q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    slots = []
+    for s, (c, n) in enumerate(zip(context_lens, query_lens)):
+        pos = np.arange(c, c + n)
+        slots.append(block_tables[s, pos // block_size] * block_size + pos % block_size)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    return dict(query=q, key=k, value=v, key_cache=key_cache, value_cache=value_cache,
+                slot_mapping=np.concatenate(slots).astype(np.int64), block_tables=block_tables,
+                context_lens=np.asarray(context_lens, np.int64), query_start_loc=qsl)
+
+
+CASES = [
+    # (num_heads, num_kv_heads, head_dim, block_size, context_lens, query_lens)
+    (6, 2, 16, 4, [0, 0, 0], [5, 1, 9]),           # fresh prefills, GQA
+    (4, 4, 8, 16, [3, 17, 40], [1, 1, 1]),          # decode, MHA
+    (4, 1, 8, 16, [0, 33, 16, 5], [7, 1, 20, 2]),  # mixed chunked prefill, MQA
+    (9, 3, 64, 16, [100, 0], [13, 31]),             # SmolLM2 head shape
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", CASES)
+def test_function_body_matches_reference(heads, kv_heads, head_dim, block_size, ctx, qlens):
+    rng = np.random.default_rng(0)
+    step = random_step(rng, ctx, qlens, heads, kv_heads, head_dim, block_size)
+    sess = single_op_session(heads, kv_heads, head_dim)
+    (got,) = sess.run(None, step)
+    want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
+                                     step["value_cache"], step["block_tables"], step["context_lens"],
+                                     step["query_start_loc"], head_dim ** -0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_write_then_attend_equals_attend_over_cache():
+    """Writing a step's K/V then decoding over them equals prefill over the same tokens."""
+    rng = np.random.default_rng(1)
+    step = random_step(rng, [0], [10], 4, 2, 8, 4)
+    out_prefill = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
+                                            step["value_cache"], step["block_tables"], step["context_lens"],
+                                            step["query_start_loc"], 8 ** -0.5)
+    write_kv_reference(step["key_cache"], step["value_cache"], step["key"][:9], step["value"][:9],
+                       step["slot_mapping"][:9])
+    last = reference_paged_attention(step["query"][9:], step["key"][9:], step["value"][9:],
+                                     step["key_cache"], step["value_cache"], step["block_tables"],
+                                     np.array([9]), np.array([0, 1]), 8 ** -0.5)
+    np.testing.assert_allclose(last[0], out_prefill[9], rtol=1e-5, atol=1e-6)

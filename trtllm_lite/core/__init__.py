@@ -1,0 +1,1 @@
+"""The engine core: sequences, the KV block pool, the scheduler and the step loop."""

@@ -1,0 +1,167 @@
+"""Inflight (continuous) batching with a token budget, chunked prefill and preemption.
+
+Every step the batch is rebuilt: running sequences first (decodes, then unfinished
+prompt chunks, in arrival order), then waiting sequences are admitted while
+``max_num_seqs``, the token budget (``max_num_batched_tokens``) and free KV blocks allow.
+A sequence's share of the step is ``len(token_ids) - num_computed_tokens``, cut to the
+budget when chunked prefill is on. When the pool runs dry, the newest running sequence
+is preempted by recompute: its blocks are freed and it goes back to the front of the
+waiting queue, to resume from its prompt plus the tokens it already generated.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..runners.base import ScheduledSeq, StepBatch
+from .kv_cache_manager import KVCacheManager, blocks_for
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduling limits (vLLM names).
+
+    ``max_num_seqs``: sequences per step; ``max_num_batched_tokens``: tokens per step;
+    ``max_seq_len``: prompt + output tokens per sequence; ``enable_chunked_prefill``: cut
+    long prompts into chunks that share the token budget with decodes.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_seq_len: int = 2048
+    enable_chunked_prefill: bool = True
+    max_waiting: int = 1 << 20
+
+
+@dataclass
+class SchedulerOutput:
+    """The sequences of one step and what each computes, aligned with ``batch``."""
+
+    seqs: list[Sequence]
+    batch: StepBatch
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- admission ------------------------------------------------------------------------
+    def check_fits(self, seq: Sequence) -> None:
+        """Refuse at admission a request that could never run, even alone in the pool.
+
+        Raises:
+            ValueError: the prompt plus ``max_tokens`` exceeds ``max_seq_len``, the pool, or
+                (without chunked prefill) the token budget.
+        """
+        c = self.config
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if total > c.max_seq_len:
+            raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                             f"({seq.params.max_tokens}) = {total} exceeds max_seq_len {c.max_seq_len}")
+        if blocks_for(total, self.kv.block_size) > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {total} tokens needs more KV blocks than the "
+                             f"whole pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
+        if not c.enable_chunked_prefill and total > c.max_num_batched_tokens:
+            raise ValueError(f"prompt + max_tokens = {total} exceeds max_num_batched_tokens "
+                             f"{c.max_num_batched_tokens} and chunked prefill is off")
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.config.max_waiting:
+            raise OverflowError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        self.check_fits(seq)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        c = self.config
+        budget = c.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+
+        # 1. running sequences: decodes first, then prompt chunks, arrival order within each
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival_time))
+        i = 0
+        while i < len(order):
+            seq = order[i]
+            n = self._num_new_tokens(seq, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(seq, n):
+                # the newest not-yet-scheduled sequence gives its blocks back (maybe seq itself)
+                victim = max(order[i:], key=lambda s: s.arrival_time)
+                order.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+
+        # 2. admit waiting sequences (never while one had to be preempted this step)
+        while self.waiting and not preempted and budget > 0 and len(self.running) < c.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._num_new_tokens(seq, budget)
+            if n == 0 or not self.kv.allocate_slots(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+
+        batch = StepBatch()
+        seqs_decode, seqs_prefill = [], []
+        for seq, n in scheduled:
+            item = ScheduledSeq(seq.token_ids, seq.block_table, seq.num_computed_tokens, n)
+            if n == 1 and item.samples:
+                batch.decode.append(item)
+                seqs_decode.append(seq)
+            else:
+                batch.prefill.append(item)
+                seqs_prefill.append(seq)
+        return SchedulerOutput(seqs_decode + seqs_prefill, batch, preempted)
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        n = seq.num_tokens - seq.num_computed_tokens
+        if n > budget:
+            return budget if self.config.enable_chunked_prefill else 0
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: free its blocks and put it at the front of the queue."""
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- after the step -------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` (any state) and free its blocks at once. Idempotent."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.monotonic()

@@ -1,0 +1,92 @@
+"""The engine directory: the contract between the builder and the runtime.
+
+::
+
+    engine_dir/
+      engine.json        manifest: format version, model + build config, graph I/O,
+                         weight table, tokenizer files, sha256 of every file, tool versions
+      prefill.onnx       graph, many packed tokens per sequence, logits at requested rows
+      decode.onnx        graph, one token per sequence
+      weights.bin        every weight once; both graphs point into it
+      tokenizer.json, tokenizer_config.json, ...
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+ENGINE_FORMAT_VERSION = 1
+MANIFEST = "engine.json"
+
+
+class EngineError(ValueError):
+    """The engine directory is missing, from another format version, or fails its checksums."""
+
+
+@dataclass(frozen=True)
+class EngineDir:
+    """A validated engine directory: ``path`` and its parsed ``manifest``."""
+
+    path: str
+    manifest: dict
+
+    @property
+    def model(self) -> dict:
+        return self.manifest["model"]
+
+    @property
+    def build(self) -> dict:
+        return self.manifest["build"]
+
+    @property
+    def backend(self) -> str:
+        return self.build["backend"]
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_engine_dir(path: str, verify_checksums: bool = True,
+                    expected_backend: str | None = None) -> EngineDir:
+    """Read and validate ``path/engine.json``.
+
+    Raises:
+        EngineError: the directory or manifest is missing, its ``format_version`` differs from
+            :data:`ENGINE_FORMAT_VERSION`, its backend differs from ``expected_backend``, or
+            a file is missing or fails its sha256 (the message names the file).
+    """
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise EngineError(f"engine directory {path!r} does not exist (build one with `trtllm-lite build`)")
+    if not os.path.isfile(manifest_path):
+        raise EngineError(f"{path!r} is not an engine directory: {MANIFEST} is missing")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{manifest_path} is not valid JSON: {e}") from None
+    version = manifest.get("format_version")
+    if version != ENGINE_FORMAT_VERSION:
+        raise EngineError(f"engine {path!r} has format_version {version!r}; this runtime reads "
+                          f"format_version {ENGINE_FORMAT_VERSION}: rebuild it with this version")
+    backend = manifest.get("build", {}).get("backend")
+    if expected_backend is not None and backend != expected_backend:
+        raise EngineError(f"engine {path!r} was built for backend {backend!r}, not {expected_backend!r}")
+    for name, digest in manifest.get("files", {}).items():
+        file_path = os.path.join(path, name)
+        if not os.path.isfile(file_path):
+            raise EngineError(f"engine file {name!r} is missing from {path!r}")
+        if verify_checksums and _sha256(file_path) != digest:
+            raise EngineError(f"engine file {name!r} in {path!r} fails its sha256 checksum "
+                              "(corrupted or modified since the build)")
+    return EngineDir(os.path.abspath(path), manifest)

@@ -1,0 +1,71 @@
+"""``LLM``: the offline (synchronous) Python API, in the vLLM habit."""
+from __future__ import annotations
+
+from .core.llm_engine import LLMEngine
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """Load an engine and generate from batches of prompts with inflight batching.
+
+    ``LLM(engine_dir, **options)``; options as :class:`~trtllm_lite.core.llm_engine.LLMEngine`.
+    """
+
+    def __init__(self, engine_dir: str, **options):
+        self.engine = LLMEngine(engine_dir, **options)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for ``prompts`` (a str, a list of token ids, or a list of either).
+
+        Returns one cumulative :class:`RequestOutput` per prompt, in input order. Every prompt
+        is validated before any runs; a bad one raises ``ValueError`` / ``TypeError`` naming
+        the problem and nothing is queued.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        for seq in seqs:
+            self.engine.add_sequence(seq)
+        try:
+            while any(not s.is_finished for s in seqs):
+                self.engine.step()
+        except BaseException:
+            for seq in seqs:
+                self.engine.abort(seq.request_id)
+            raise
+        return [self._final(p, s) for p, s in zip(prompts, seqs)]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (list of ``{"role", "content"}``) or a list
+        of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt)
+                   if self.engine.tokenizer else _no_tokenizer() for c in conversations]
+        ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outs = self.generate(ids, sampling_params)
+        for out, prompt in zip(outs, prompts):
+            out.prompt = prompt
+        return outs
+
+    def _final(self, prompt, seq) -> RequestOutput:
+        out = self.engine._output(seq, seq.output_token_ids, seq.text)
+        out.prompt = prompt if isinstance(prompt, str) else None
+        return out
+
+
+def _no_tokenizer():
+    raise ValueError("this engine has no tokenizer, so it cannot apply a chat template")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,1 @@
+"""Model runners: one per backend, behind the small interface in :mod:`.base`."""

@@ -1,0 +1,89 @@
+"""What every backend's model runner takes and returns.
+
+The scheduler hands the runner a :class:`StepBatch`: which sequences run this step and how
+many new tokens each computes. The runner builds its graph inputs with
+:func:`build_step_inputs`, runs the decode graph for one-token sequences and the prefill
+graph for the rest, stores the new K/V in its pools, and returns logits for the sequences
+that reached their last token (the ones to sample), in batch order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens ``[start, start + num_new_tokens)``."""
+
+    token_ids: list[int]          # the sequence's tokens so far (prompt + output)
+    block_table: list[int]        # physical block per logical block
+    start: int                    # num_computed_tokens before the step (= context length)
+    num_new_tokens: int           # query length
+
+    @property
+    def samples(self) -> bool:
+        """True when the step computes the sequence's last token, so its logits are needed."""
+        return self.start + self.num_new_tokens == len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """The step split by graph: ``decode`` (one new token each) and ``prefill`` (the rest)."""
+
+    decode: list[ScheduledSeq] = field(default_factory=list)
+    prefill: list[ScheduledSeq] = field(default_factory=list)
+
+    @property
+    def sampled(self) -> list[ScheduledSeq]:
+        """Sequences whose logits the runner returns, in the order of its logits rows."""
+        return [s for s in self.decode + self.prefill if s.samples]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.decode + self.prefill)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Graph inputs of one call (shapes in :mod:`builder.export_onnx`), all int64."""
+
+    input_ids: np.ndarray        # [T]
+    positions: np.ndarray        # [T]
+    slot_mapping: np.ndarray     # [T]
+    block_tables: np.ndarray     # [S, max_blocks]
+    context_lens: np.ndarray     # [S]
+    query_start_loc: np.ndarray  # [S + 1]
+    logits_indices: np.ndarray   # [N] rows of T whose logits are returned
+
+
+def build_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
+    """Pack the scheduled sequences' new tokens into one call's inputs (no padding tokens)."""
+    query_lens = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))
+    starts = np.fromiter((s.start for s in seqs), np.int64, len(seqs))
+    qsl = np.zeros(len(seqs) + 1, np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    width = max(len(s.block_table) for s in seqs)
+    block_tables = np.zeros((len(seqs), width), np.int64)
+    input_ids = []
+    for i, s in enumerate(seqs):
+        block_tables[i, :len(s.block_table)] = s.block_table
+        input_ids.extend(s.token_ids[s.start:s.start + s.num_new_tokens])
+    seq_of_token = np.repeat(np.arange(len(seqs)), query_lens)
+    positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts, query_lens)
+    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    sampled = np.fromiter((s.samples for s in seqs), bool, len(seqs))
+    return StepInputs(np.asarray(input_ids, np.int64), positions, slot_mapping, block_tables,
+                      starts, qsl, (qsl[1:] - 1)[sampled])
+
+
+class ModelRunner(Protocol):
+    """A backend. ``execute`` returns logits ``[len(batch.sampled), vocab]`` float32."""
+
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+
+    def execute(self, batch: StepBatch) -> np.ndarray: ...

@@ -1,0 +1,87 @@
+"""The engine's tokenizer: HF ``tokenizer.json`` through the ``tokenizers`` library, and the
+model's chat template rendered with jinja2 the way transformers renders it."""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    """Encode prompts, decode tokens and apply the chat template of an engine directory.
+
+    Raises:
+        FileNotFoundError: the engine has no ``tokenizer.json`` (token-id prompts still work).
+    """
+
+    def __init__(self, directory: str):
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{directory} has no tokenizer.json; pass prompts as token ids")
+        self.hf = HFTokenizer.from_file(path)
+        config = {}
+        if os.path.exists(os.path.join(directory, "tokenizer_config.json")):
+            with open(os.path.join(directory, "tokenizer_config.json")) as f:
+                config = json.load(f)
+        self.config = config
+        self.chat_template = config.get("chat_template")
+        template_file = os.path.join(directory, "chat_template.jinja")
+        if os.path.exists(template_file):
+            with open(template_file) as f:
+                self.chat_template = f.read()
+        self.special_tokens = {k: self._token_str(config.get(k))
+                               for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.eos_token_id = self.hf.token_to_id(self.special_tokens["eos_token"] or "") \
+            if self.special_tokens["eos_token"] else None
+
+    @staticmethod
+    def _token_str(value) -> str | None:
+        if isinstance(value, dict):
+            return value.get("content")
+        return value
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's template.
+
+        Raises:
+            ValueError: the engine has no chat template, or the template rejects the messages.
+        """
+        if not self.chat_template:
+            raise ValueError("this engine's tokenizer has no chat template")
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        return _compile(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+
+def _raise(message: str):
+    raise ValueError(f"chat template: {message}")
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    if source not in _TEMPLATES:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]
