@@ -210,9 +210,8 @@ prefill_kernel(const PrefillParams p) {
       for (int dt = 0; dt < DT; dt += 2) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, vrow + dt * 8);
-        const uint32_t* a = pa[kk];
-        Mma<T>::run(o[dt], reinterpret_cast<const uint32_t(&)[4]>(*a), b[0], b[1]);
-        Mma<T>::run(o[dt + 1], reinterpret_cast<const uint32_t(&)[4]>(*a), b[2], b[3]);
+        Mma<T>::run(o[dt], pa[kk], b[0], b[1]);
+        Mma<T>::run(o[dt + 1], pa[kk], b[2], b[3]);
       }
     }
     __syncthreads();  // every warp is done with V(kt)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Build the trtllm-lite CUDA kernels into one shared library with nvcc.
+#
+#   plugins_cu/build.sh [--arch "80 89 90"] [--out DIR] [--compile-only] [--jobs N]
+#
+# Output: DIR/libtrtllm_lite_kernels.so (default DIR: plugins_cu/build), C ABI in
+# plugins_cu/include/trtllm_lite_kernels.h, CUDA runtime linked statically. Machine code (SASS) for
+# each listed architecture plus PTX for the highest, so newer GPUs can JIT it.
+# --compile-only stops after the object files (what CI checks on a machine without a GPU).
+# Environment: NVCC (default: nvcc on PATH), TL_CUDA_ARCHS (default "80 89 90").
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ARCHS="${TL_CUDA_ARCHS:-80 89 90}"
+OUT_DIR="$HERE/build"
+COMPILE_ONLY=0
+JOBS="$(nproc 2>/dev/null || echo 2)"
+NVCC="${NVCC:-nvcc}"
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --arch) ARCHS="$2"; shift 2 ;;
+    --out) OUT_DIR="$2"; shift 2 ;;
+    --compile-only) COMPILE_ONLY=1; shift ;;
+    --jobs) JOBS="$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "build.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+command -v "$NVCC" >/dev/null || { echo "build.sh: nvcc not found (set NVCC)" >&2; exit 1; }
+mkdir -p "$OUT_DIR/obj"
+
+GENCODE=()
+HIGHEST=0
+for a in $ARCHS; do
+  GENCODE+=("-gencode=arch=compute_${a},code=sm_${a}")
+  (( a > HIGHEST )) && HIGHEST=$a
+done
+GENCODE+=("-gencode=arch=compute_${HIGHEST},code=compute_${HIGHEST}")
+
+FLAGS=(-O3 -std=c++17 -lineinfo -Xcompiler -fPIC -I"$HERE/include" "${GENCODE[@]}")
+SOURCES=(decode_attention prefill_attention kv_write api)
+
+# Compile the translation units in parallel, at most JOBS at a time.
+pids=()
+for src in "${SOURCES[@]}"; do
+  "$NVCC" "${FLAGS[@]}" -c "$HERE/src/$src.cu" -o "$OUT_DIR/obj/$src.o" &
+  pids+=($!)
+  if (( ${#pids[@]} >= JOBS )); then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+# Also catch failures among jobs already reaped above.
+for src in "${SOURCES[@]}"; do [[ -s "$OUT_DIR/obj/$src.o" ]] || status=1; done
+(( status == 0 )) || { echo "build.sh: compilation failed" >&2; exit 1; }
+
+if (( COMPILE_ONLY )); then
+  echo "build.sh: compiled ${#SOURCES[@]} sources for sm_{${ARCHS// /,}} into $OUT_DIR/obj"
+  exit 0
+fi
+"$NVCC" -shared -cudart static "${GENCODE[@]}" "$OUT_DIR"/obj/*.o -o "$OUT_DIR/libtrtllm_lite_kernels.so"
+echo "build.sh: built $OUT_DIR/libtrtllm_lite_kernels.so for sm_{${ARCHS// /,}}"
