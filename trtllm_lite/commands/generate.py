@@ -1,0 +1,53 @@
+"""``trtllm-lite generate``: one prompt, answer printed as it is generated."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from ..async_llm import AsyncLLM
+from ..sampling_params import SamplingParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", required=True, help="engine directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stats", action="store_true", help="print TTFT and decode speed to stderr")
+
+
+async def _stream(llm: AsyncLLM, prompt, params: SamplingParams) -> None:
+    last = None
+    async for out in llm.generate(prompt, params):
+        sys.stdout.write(out.outputs[0].text)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    return last
+
+
+def run(args: argparse.Namespace) -> int:
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    llm = AsyncLLM(args.engine)
+    try:
+        prompt = args.prompt
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": args.prompt})
+            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+        last = asyncio.run(_stream(llm, prompt, params))
+        if args.stats and last is not None:
+            m, n = last.metrics, llm.engine.stats()
+            print(f"[ttft {m.ttft * 1e3:.0f} ms, e2e {m.e2e * 1e3:.0f} ms, "
+                  f"finish {last.outputs[0].finish_reason}, steps {n['num_steps']}]", file=sys.stderr)
+    finally:
+        llm.shutdown()
+    return 0

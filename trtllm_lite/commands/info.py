@@ -1,0 +1,34 @@
+"""``trtllm-lite info``: what an engine is and what it was built with."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..engine_dir import load_engine_dir
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", required=True, help="engine directory")
+    p.add_argument("--json", action="store_true", help="print the whole manifest")
+
+
+def run(args: argparse.Namespace) -> int:
+    engine = load_engine_dir(args.engine)
+    m = engine.manifest
+    if args.json:
+        print(json.dumps({k: v for k, v in m.items() if k != "weights"}, indent=1))
+        return 0
+    model, build = m["model"], m["build"]
+    weights = sum(t["nbytes"] for t in m["weights"]["tensors"].values())
+    print(f"engine      {engine.path} (format {m['format_version']}, backend {build['backend']})")
+    print(f"model       {model['architecture']} from {m['source']['path']}")
+    print(f"            {model['num_layers']} layers, hidden {model['hidden_size']}, heads "
+          f"{model['num_heads']} (kv {model['num_kv_heads']}), head_dim {model['head_dim']}, "
+          f"vocab {model['vocab_size']}")
+    print(f"build       dtype {build['dtype']}, block_size {build['block_size']}, max_num_seqs "
+          f"{build['max_num_seqs']}, max_num_batched_tokens {build['max_num_batched_tokens']}, "
+          f"max_seq_len {build['max_seq_len']}")
+    print(f"weights     {weights / 2**20:.1f} MiB in {m['weights']['file']}")
+    print(f"graphs      {', '.join(m['graphs'])}; tokenizer {', '.join(m['tokenizer']['files']) or 'none'}")
+    print(f"built with  {', '.join(f'{k} {v}' for k, v in m['versions'].items())}")
+    return 0

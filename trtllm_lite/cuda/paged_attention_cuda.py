@@ -1,0 +1,169 @@
+"""Launch the trtllm-lite CUDA kernels on device buffers (ctypes, no torch).
+
+Every launch function takes device pointers as ints (from :class:`DeviceBuffer`, CuPy,
+PyTorch's ``data_ptr()``, cuda-python), sizes, and a ``stream`` (a ``cudaStream_t`` handle as an
+int; 0 = the legacy default stream). Launches are asynchronous; errors in the arguments or the
+launch raise :class:`CudaKernelError`. Shapes (fp16/bf16 tensors, int64 metadata) are those of
+the ``trtllm_lite::PagedAttention`` op, see ``builder/paged_attention.py``::
+
+    query   [num_tokens, num_heads, head_dim]     key, value  [num_tokens, num_kv_heads, head_dim]
+    key_cache, value_cache [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping [num_tokens]   block_tables [num_seqs, max_blocks_per_seq]
+    context_lens [num_seqs]     query_start_loc [num_seqs + 1]
+    out     [num_tokens, num_heads, head_dim]
+
+:func:`run_paged_attention` is a numpy-in / numpy-out convenience for tests and tools.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._library import DTYPE_CODES, check, load_library
+from .device import DeviceBuffer, from_device_dtype, storage_dtype, synchronize, to_device_dtype
+
+
+def _dtype_code(dtype: str) -> int:
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_CODES)}, got {dtype!r}")
+    return DTYPE_CODES[dtype]
+
+
+def paged_kv_write(*, dtype: str, key: int, value: int, key_cache: int, value_cache: int,
+                   slot_mapping: int, num_tokens: int, num_kv_heads: int, head_dim: int,
+                   block_size: int, stream: int = 0) -> None:
+    """Store the step's new K/V rows at their pool slots (slot < 0: skipped)."""
+    lib = load_library()
+    check(lib.tl_paged_kv_write(_dtype_code(dtype), key, value, key_cache, value_cache,
+                                slot_mapping, num_tokens, num_kv_heads, head_dim, block_size,
+                                stream), "tl_paged_kv_write")
+
+
+def decode_workspace_size(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                          max_seq_len: int) -> int:
+    """Bytes of scratch the split (flash-decoding) decode needs; 0 when it does not split."""
+    return int(load_library().tl_decode_workspace_size(num_seqs, num_heads, num_kv_heads,
+                                                       head_dim, max_seq_len))
+
+
+def decode_num_splits(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      max_seq_len: int) -> int:
+    return int(load_library().tl_decode_num_splits(num_seqs, num_heads, num_kv_heads, head_dim,
+                                                   max_seq_len))
+
+
+def set_decode_policy(min_chunk: int = 0, ctas_per_sm: int = 0) -> None:
+    """Tune the decode split (benchmarks): tokens per split at least ``min_chunk``; aim at
+    ``ctas_per_sm`` thread blocks per multiprocessor. 0 restores the defaults."""
+    load_library().tl_set_decode_policy(min_chunk, ctas_per_sm)
+
+
+def paged_attention_decode(*, dtype: str, query: int, key_cache: int, value_cache: int, out: int,
+                           block_tables: int, context_lens: int, num_seqs: int, num_heads: int,
+                           num_kv_heads: int, head_dim: int, block_size: int,
+                           max_blocks_per_seq: int, max_seq_len: int, scale: float,
+                           workspace: int = 0, workspace_size: int = 0, stream: int = 0) -> None:
+    """One query token per sequence; sequence s attends positions [0, context_lens[s] + 1)."""
+    lib = load_library()
+    check(lib.tl_paged_attention_decode(
+        _dtype_code(dtype), query, key_cache, value_cache, out, block_tables, context_lens,
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq, max_seq_len,
+        scale, workspace or None, workspace_size, stream), "tl_paged_attention_decode")
+
+
+def paged_attention_prefill(*, dtype: str, query: int, key_cache: int, value_cache: int,
+                            out: int, block_tables: int, context_lens: int, query_start_loc: int,
+                            num_seqs: int, num_tokens: int, max_query_len: int, num_heads: int,
+                            num_kv_heads: int, head_dim: int, block_size: int,
+                            max_blocks_per_seq: int, scale: float, stream: int = 0) -> None:
+    """Causal (chunked) prefill: token j of sequence s attends [0, context_lens[s] + j]."""
+    lib = load_library()
+    check(lib.tl_paged_attention_prefill(
+        _dtype_code(dtype), query, key_cache, value_cache, out, block_tables, context_lens,
+        query_start_loc, num_seqs, num_tokens, max_query_len, num_heads, num_kv_heads, head_dim,
+        block_size, max_blocks_per_seq, scale, stream), "tl_paged_attention_prefill")
+
+
+def paged_attention(*, dtype: str, query: int, key: int, value: int, key_cache: int,
+                    value_cache: int, out: int, slot_mapping: int, block_tables: int,
+                    context_lens: int, query_start_loc: int, num_seqs: int, num_tokens: int,
+                    max_query_len: int, max_seq_len: int, num_heads: int, num_kv_heads: int,
+                    head_dim: int, block_size: int, max_blocks_per_seq: int, scale: float,
+                    workspace: int = 0, workspace_size: int = 0, stream: int = 0) -> None:
+    """The whole op: KV write, then decode (all query lengths 1) or prefill attention."""
+    lib = load_library()
+    check(lib.tl_paged_attention(
+        _dtype_code(dtype), query, key, value, key_cache, value_cache, out, slot_mapping,
+        block_tables, context_lens, query_start_loc, num_seqs, num_tokens, max_query_len,
+        max_seq_len, num_heads, num_kv_heads, head_dim, block_size, max_blocks_per_seq, scale,
+        workspace or None, workspace_size, stream), "tl_paged_attention")
+
+
+@dataclass
+class PagedAttentionResult:
+    """Host copies after :func:`run_paged_attention` (float32 values of the 16-bit results)."""
+    output: np.ndarray       # [num_tokens, num_heads, head_dim]
+    key_cache: np.ndarray    # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: np.ndarray
+
+
+def run_paged_attention(query, key, value, key_cache, value_cache, slot_mapping, block_tables,
+                        context_lens, query_start_loc, scale: float, dtype: str = "float16",
+                        mode: str = "auto", poison_output: bool = True) -> PagedAttentionResult:
+    """Run the op on numpy arrays (float inputs are rounded to ``dtype``) and copy results back.
+
+    ``mode``: ``"auto"`` (the op's own choice), ``"decode"`` or ``"prefill"`` (force a kernel).
+    With ``poison_output`` the output starts as NaN, so unwritten elements show.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    qsl = np.asarray(query_start_loc, np.int64)
+    ctx = np.asarray(context_lens, np.int64)
+    max_query_len = int(np.max(np.diff(qsl))) if num_seqs else 0
+    max_seq_len = int(np.max(ctx + np.diff(qsl))) if num_seqs else 0
+    dev = {name: DeviceBuffer.from_array(to_device_dtype(arr, dtype)) for name, arr in
+           dict(query=query, key=key, value=value, key_cache=key_cache,
+                value_cache=value_cache).items()}
+    for name, arr in dict(slot_mapping=slot_mapping, block_tables=block_tables,
+                          context_lens=ctx, query_start_loc=qsl).items():
+        dev[name] = DeviceBuffer.from_array(np.asarray(arr, np.int64))
+    out = DeviceBuffer(query.size * 2)
+    if poison_output:
+        out.fill_bytes(0xFF)
+    ws_size = decode_workspace_size(num_seqs, num_heads, num_kv_heads, head_dim, max_seq_len)
+    ws = DeviceBuffer(ws_size) if ws_size else None
+    ptr = {k: v.ptr for k, v in dev.items()}
+    common = dict(dtype=dtype, query=ptr["query"], key_cache=ptr["key_cache"],
+                  value_cache=ptr["value_cache"], out=out.ptr, block_tables=ptr["block_tables"],
+                  context_lens=ptr["context_lens"], num_seqs=num_seqs, num_heads=num_heads,
+                  num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                  max_blocks_per_seq=max_blocks, scale=scale)
+    if mode == "auto":
+        paged_attention(**common, key=ptr["key"], value=ptr["value"],
+                        slot_mapping=ptr["slot_mapping"], query_start_loc=ptr["query_start_loc"],
+                        num_tokens=num_tokens, max_query_len=max_query_len,
+                        max_seq_len=max_seq_len, workspace=ws.ptr if ws else 0,
+                        workspace_size=ws_size)
+    else:
+        paged_kv_write(dtype=dtype, key=ptr["key"], value=ptr["value"],
+                       key_cache=ptr["key_cache"], value_cache=ptr["value_cache"],
+                       slot_mapping=ptr["slot_mapping"], num_tokens=num_tokens,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+        if mode == "decode":
+            if num_tokens != num_seqs or max_query_len != 1:
+                raise ValueError("decode mode needs exactly one query token per sequence")
+            paged_attention_decode(**common, max_seq_len=max_seq_len,
+                                   workspace=ws.ptr if ws else 0, workspace_size=ws_size)
+        elif mode == "prefill":
+            paged_attention_prefill(**common, query_start_loc=ptr["query_start_loc"],
+                                    num_tokens=num_tokens, max_query_len=max_query_len)
+        else:
+            raise ValueError(f"mode must be auto, decode or prefill, got {mode!r}")
+    synchronize()
+    sdt = storage_dtype(dtype)
+    return PagedAttentionResult(
+        output=from_device_dtype(out.download(query.shape, sdt), dtype),
+        key_cache=from_device_dtype(dev["key_cache"].download(key_cache.shape, sdt), dtype),
+        value_cache=from_device_dtype(dev["value_cache"].download(value_cache.shape, sdt), dtype))
