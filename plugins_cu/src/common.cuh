@@ -23,7 +23,7 @@ struct alignas(16) Vec8 {
 // Read-once 16-byte global load: bypasses L1 allocation (K/V are streamed exactly once).
 __device__ __forceinline__ Vec8 ld_stream(const void* p) {
   Vec8 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
       : "l"(p));
   return v;

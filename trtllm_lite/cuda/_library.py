@@ -64,11 +64,12 @@ _SIGNATURES = {
 }
 
 _lib: ctypes.CDLL | None = None
+_device_ok = False
 
 
 def load_library(require_device: bool = True) -> ctypes.CDLL:
     """Load the kernel library once; with ``require_device``, also check a GPU is visible."""
-    global _lib
+    global _lib, _device_ok
     if _lib is None:
         found = [p for p in candidate_paths() if p.is_file()]
         if not found:
@@ -86,12 +87,13 @@ def load_library(require_device: bool = True) -> ctypes.CDLL:
             raise CudaKernelsUnavailable(
                 f"{found[0]} has ABI {lib.tl_abi_version()}, expected {ABI_VERSION}: rebuild it")
         _lib = lib
-    if require_device:
+    if require_device and not _device_ok:
         count = ctypes.c_int(0)
         code = _lib.tl_device_count(ctypes.byref(count))
         if code != 0 or count.value == 0:
             reason = error_string(code) if code else "no CUDA device visible"
             raise CudaKernelsUnavailable(f"no usable CUDA GPU: {reason}")
+        _device_ok = True
     return _lib
 
 

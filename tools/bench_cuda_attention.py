@@ -1,0 +1,307 @@
+"""Time the CUDA paged-attention kernels against PyTorch SDPA and the device copy bandwidth.
+
+Run on a GPU machine (PyTorch is used only here, to allocate, time and provide the peer):
+
+    python3 tools/bench_cuda_attention.py --out device_check.md
+
+Decode: for each head config, context (1k..32k) and batch (1..64), one query token per sequence
+reads B * (ctx + 1) * kv_heads * head_dim * 2 (K and V) * 2 bytes of K/V. "Achieved bandwidth"
+is those bytes over the kernel time. The peer is ``torch.nn.functional.scaled_dot_product_attention``
+on a contiguous cache [B, kv_heads, ctx + 1, head_dim] holding the same values (``enable_gqa``).
+The bound is the measured device-to-device copy bandwidth (bytes read + written per second).
+Timing: CUDA graphs of R launches (R rotating input sets, so small problems are not served from
+L2), replayed several times; the median replay over R.
+
+``--dry-run`` exercises the plumbing on the CPU with tiny sizes and a torch stand-in for the kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HEAD_CONFIGS = {  # name: (num_heads, num_kv_heads, head_dim)
+    "Llama-8B-like": (32, 8, 128),
+    "SmolLM2-like": (9, 3, 64),
+}
+CONTEXTS = [1024, 4096, 16384, 32768]
+BATCHES = [1, 4, 16, 64]
+ROTATE_BYTES = 256 << 20  # each timed graph touches at least this much K/V
+
+
+@dataclass
+class Row:
+    model: str
+    heads: tuple
+    batch: int
+    context: int
+    kv_bytes: int
+    ours_us: float
+    sdpa_us: float
+    rel_err: float
+    splits: int
+
+
+def median_replay_ms(launches, reps: int, device: str) -> float:
+    """Median time of one launch (ms): CUDA-graph of all launches, replayed `reps` times."""
+    if device == "cpu":
+        t0 = time.perf_counter()
+        for fn in launches:
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / len(launches)
+    for fn in launches[:2]:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in launches:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) / len(launches)
+
+
+def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    if device == "cpu":
+        nbytes = 64 << 20
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    a.random_()
+    b = torch.empty_like(a)
+    ms = median_replay_ms([lambda: b.copy_(a)], reps=20, device=device)
+    del a, b
+    return 2 * nbytes / (ms * 1e-3)
+
+
+class PagedCase:
+    """R rotating paged caches (one pool, disjoint random blocks) and their contiguous twins."""
+
+    def __init__(self, heads, batch, context, block_size, dtype, device, rotations, seed=0):
+        nh, nkv, d = heads
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.heads, self.batch, self.block_size = heads, batch, block_size
+        self.seq_len = context + 1
+        self.blocks_per_seq = -(-self.seq_len // block_size)
+        per_rot = batch * self.blocks_per_seq
+        num_blocks = per_rot * rotations
+        shape = (num_blocks, block_size, nkv, d)
+        self.key_cache = torch.randn(shape, dtype=dtype, device=device)
+        self.value_cache = torch.randn(shape, dtype=dtype, device=device)
+        perm = torch.randperm(num_blocks, generator=gen).to(device)
+        self.block_tables = [perm[r * per_rot:(r + 1) * per_rot].view(batch, -1).contiguous()
+                             for r in range(rotations)]
+        self.context_lens = torch.full((batch,), context, dtype=torch.int64, device=device)
+        self.query = [torch.randn(batch, nh, d, dtype=dtype, device=device)
+                      for _ in range(rotations)]
+        self.out = torch.empty(batch, nh, d, dtype=dtype, device=device)
+
+    def contiguous_kv(self, r):
+        """[B, kv_heads, seq_len, D] copies of rotation r's K and V (the SDPA peer's cache)."""
+        bt = self.block_tables[r]
+        k = self.key_cache[bt].flatten(1, 2)[:, :self.seq_len].transpose(1, 2).contiguous()
+        v = self.value_cache[bt].flatten(1, 2)[:, :self.seq_len].transpose(1, 2).contiguous()
+        return k, v
+
+    def kv_bytes(self):
+        nh, nkv, d = self.heads
+        return self.batch * self.seq_len * nkv * d * 2 * self.key_cache.element_size()
+
+
+def sdpa(q, k, v, scale):
+    """q [B, Hq, D] -> [B, Hq, D] via SDPA on [B, H, 1, D] x [B, Hkv, S, D] with enable_gqa."""
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def make_ours(case: PagedCase, dtype_name: str, device: str, workspace):
+    """Callables launching our decode for each rotation (torch stand-in with --dry-run)."""
+    nh, nkv, d = case.heads
+    scale = d ** -0.5
+    if device == "cpu":
+        def stand_in(r):
+            k, v = case.contiguous_kv(r)
+            case.out.copy_(sdpa(case.query[r], k, v, scale))
+        return [lambda r=r: stand_in(r) for r in range(len(case.query))]
+    from trtllm_lite import cuda as tlcuda
+
+    def launch(r):
+        tlcuda.paged_attention_decode(
+            dtype=dtype_name, query=case.query[r].data_ptr(), key_cache=case.key_cache.data_ptr(),
+            value_cache=case.value_cache.data_ptr(), out=case.out.data_ptr(),
+            block_tables=case.block_tables[r].data_ptr(),
+            context_lens=case.context_lens.data_ptr(), num_seqs=case.batch, num_heads=nh,
+            num_kv_heads=nkv, head_dim=d, block_size=case.block_size,
+            max_blocks_per_seq=case.blocks_per_seq, max_seq_len=case.seq_len, scale=scale,
+            workspace=workspace.data_ptr(), workspace_size=workspace.numel(),
+            stream=torch.cuda.current_stream().cuda_stream)
+    return [lambda r=r: launch(r) for r in range(len(case.query))]
+
+
+def bench_decode(model, heads, batch, context, args, dtype) -> Row:
+    nh, nkv, d = heads
+    per_rot = batch * (context + 1) * nkv * d * 2 * 2
+    rotations = max(1, min(args.max_rotations, math.ceil(ROTATE_BYTES / per_rot)))
+    case = PagedCase(heads, batch, context, args.block_size, dtype, args.device, rotations)
+    splits, ws_bytes = 1, 16
+    if args.device != "cpu":
+        from trtllm_lite import cuda as tlcuda
+        splits = tlcuda.decode_num_splits(batch, nh, nkv, d, case.seq_len)
+        ws_bytes = max(16, tlcuda.decode_workspace_size(batch, nh, nkv, d, case.seq_len))
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=args.device)
+    ours = make_ours(case, args.dtype, args.device, workspace)
+    # Correctness against the peer on rotation 0.
+    k0, v0 = case.contiguous_kv(0)
+    ours[0]()
+    ref = sdpa(case.query[0], k0, v0, d ** -0.5).float()
+    rel_err = ((case.out.float() - ref).norm() / ref.norm()).item()
+    peer_kv = [(k0, v0)] + [case.contiguous_kv(r) for r in range(1, rotations)]
+    peer = [lambda r=r: sdpa(case.query[r], *peer_kv[r], d ** -0.5) for r in range(rotations)]
+    ours_ms = median_replay_ms(ours, args.reps, args.device)
+    sdpa_ms = median_replay_ms(peer, args.reps, args.device)
+    row = Row(model, heads, batch, context, case.kv_bytes(), ours_ms * 1e3, sdpa_ms * 1e3,
+              rel_err, splits)
+    del case, peer_kv, peer, ours, workspace
+    return row
+
+
+def policy_sweep(args, dtype):
+    """Decode time at 32k context for a few split policies (tuning aid)."""
+    from trtllm_lite import cuda as tlcuda
+    lines = ["| batch | min_chunk | ctas/SM | splits | µs | TB/s |", "|---|---|---|---|---|---|"]
+    heads = HEAD_CONFIGS["Llama-8B-like"]
+    for batch in (1, 16):
+        case = PagedCase(heads, batch, 32768, args.block_size, dtype, args.device, 1)
+        for min_chunk in (256, 1024):
+            for ctas in (2, 4, 8, 16, 32):
+                tlcuda.set_decode_policy(min_chunk, ctas)
+                nh, nkv, d = heads
+                splits = tlcuda.decode_num_splits(batch, nh, nkv, d, case.seq_len)
+                ws = torch.empty(max(16, tlcuda.decode_workspace_size(batch, nh, nkv, d,
+                                                                      case.seq_len)),
+                                 dtype=torch.uint8, device=args.device)
+                ms = median_replay_ms(make_ours(case, args.dtype, args.device, ws), args.reps,
+                                      args.device)
+                lines.append(f"| {batch} | {min_chunk} | {ctas} | {splits} | {ms * 1e3:.1f} | "
+                             f"{case.kv_bytes() / ms / 1e9:.2f} |")
+        del case
+    tlcuda.set_decode_policy(0, 0)
+    return lines
+
+
+def bench_prefill(args, dtype):
+    """Causal prefill of a fresh prompt (ctx 0) and of a chunk after a cached context."""
+    from trtllm_lite import cuda as tlcuda
+    nh, nkv, d = HEAD_CONFIGS["Llama-8B-like"]
+    lines = ["| context | chunk | ours ms | ours TFLOP/s | SDPA (causal, fresh prompt) ms |",
+             "|---|---|---|---|---|"]
+    for ctx, qlen in ((0, 4096), (8192, 512)):
+        bs = args.block_size
+        nblk = -(-(ctx + qlen) // bs)
+        kc = torch.randn(nblk, bs, nkv, d, dtype=dtype, device=args.device)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(nblk, device=args.device).view(1, -1)
+        q = torch.randn(qlen, nh, d, dtype=dtype, device=args.device)
+        out = torch.empty_like(q)
+        cl = torch.tensor([ctx], dtype=torch.int64, device=args.device)
+        qsl = torch.tensor([0, qlen], dtype=torch.int64, device=args.device)
+
+        def launch():
+            tlcuda.paged_attention_prefill(
+                dtype=args.dtype, query=q.data_ptr(), key_cache=kc.data_ptr(),
+                value_cache=vc.data_ptr(), out=out.data_ptr(), block_tables=bt.data_ptr(),
+                context_lens=cl.data_ptr(), query_start_loc=qsl.data_ptr(), num_seqs=1,
+                num_tokens=qlen, max_query_len=qlen, num_heads=nh, num_kv_heads=nkv, head_dim=d,
+                block_size=bs, max_blocks_per_seq=nblk, scale=d ** -0.5,
+                stream=torch.cuda.current_stream().cuda_stream)
+        ms = median_replay_ms([launch], args.reps, args.device)
+        flops = 4 * nh * d * qlen * (ctx + (qlen + 1) / 2)  # QK^T and PV over visible keys
+        peer = "-"
+        if ctx == 0:
+            qq, kk = q.transpose(0, 1).unsqueeze(0), torch.randn(1, nkv, qlen, d, dtype=dtype,
+                                                                 device=args.device)
+            pm = median_replay_ms([lambda: F.scaled_dot_product_attention(
+                qq, kk, kk, is_causal=True, enable_gqa=True)], args.reps, args.device)
+            peer = f"{pm:.3f}"
+        lines.append(f"| {ctx} | {qlen} | {ms:.3f} | {flops / ms / 1e9:.1f} | {peer} |")
+    return lines
+
+
+def render(rows, copy_bw, args, extra):
+    gpu = torch.cuda.get_device_name() if args.device != "cpu" else "CPU (dry run)"
+    bound = copy_bw / 1e12
+    out = [f"GPU: {gpu}; torch {torch.__version__}; dtype {args.dtype}; block_size "
+           f"{args.block_size}; measured device copy bandwidth (read + write): {bound:.2f} TB/s.",
+           "",
+           "| model (q/kv/d) | batch | context | K/V MiB | splits | ours µs | ours TB/s | "
+           "% of copy bw | SDPA µs | SDPA TB/s | ours vs SDPA | rel err vs SDPA |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ours_bw = r.kv_bytes / (r.ours_us * 1e-6) / 1e12
+        sdpa_bw = r.kv_bytes / (r.sdpa_us * 1e-6) / 1e12
+        out.append(f"| {r.model} ({'/'.join(map(str, r.heads))}) | {r.batch} | {r.context} | "
+                   f"{r.kv_bytes / 2**20:.1f} | {r.splits} | {r.ours_us:.1f} | {ours_bw:.2f} | "
+                   f"{100 * ours_bw / bound:.0f}% | {r.sdpa_us:.1f} | {sdpa_bw:.2f} | "
+                   f"{r.sdpa_us / r.ours_us:.2f}x | {r.rel_err:.1e} |")
+    return "\n".join(out + [""] + extra) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="write the markdown table here")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--max-rotations", type=int, default=256)
+    ap.add_argument("--contexts", type=int, nargs="*", default=CONTEXTS)
+    ap.add_argument("--batches", type=int, nargs="*", default=BATCHES)
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, torch stand-in")
+    args = ap.parse_args(argv)
+    args.device = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:
+        args.contexts, args.batches, args.reps, args.max_rotations = [64, 200], [1, 3], 2, 2
+        args.no_sweep = True
+    elif not torch.cuda.is_available():
+        sys.exit("bench_cuda_attention: no CUDA device (use --dry-run to test the plumbing)")
+    dtype = getattr(torch, args.dtype)
+    copy_bw = copy_bandwidth(args.device)
+    print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s", flush=True)
+    rows = []
+    for model, heads in HEAD_CONFIGS.items():
+        for context in args.contexts:
+            for batch in args.batches:
+                row = bench_decode(model, heads, batch, context, args, dtype)
+                rows.append(row)
+                print(f"{model} b{batch} ctx{context}: ours {row.ours_us:.1f} µs "
+                      f"({row.kv_bytes / row.ours_us / 1e6:.2f} TB/s), sdpa {row.sdpa_us:.1f} µs, "
+                      f"err {row.rel_err:.1e}", flush=True)
+    extra = []
+    if not args.no_sweep:
+        extra += ["Decode split policy sweep (Llama-8B-like, context 32k):", ""]
+        extra += policy_sweep(args, dtype) + [""]
+        extra += [f"Prefill (Llama-8B-like heads, {args.dtype}):", ""] + bench_prefill(args, dtype)
+    text = render(rows, copy_bw, args, extra)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
