@@ -7,7 +7,8 @@
 # plugins_cu/include/trtllm_lite_kernels.h, CUDA runtime linked statically. Machine code (SASS) for
 # each listed architecture plus PTX for the highest, so newer GPUs can JIT it.
 # --compile-only stops after the object files (what CI checks on a machine without a GPU).
-# Environment: NVCC (default: nvcc on PATH), TL_CUDA_ARCHS (default "80 89 90").
+# Environment: NVCC (default: nvcc on PATH), TL_CUDA_ARCHS (default "80 89 90"),
+# TL_PTXAS_VERBOSE=1 (print ptxas resource usage).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -40,6 +41,7 @@ done
 GENCODE+=("-gencode=arch=compute_${HIGHEST},code=compute_${HIGHEST}")
 
 FLAGS=(-O3 -std=c++17 -lineinfo -Xcompiler -fPIC -I"$HERE/include" "${GENCODE[@]}")
+[[ "${TL_PTXAS_VERBOSE:-0}" == 1 ]] && FLAGS+=(-Xptxas -v)  # registers/spills/smem per kernel
 SOURCES=(decode_attention prefill_attention kv_write api)
 
 # Compile the translation units in parallel, at most JOBS at a time.
