@@ -33,17 +33,19 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for seq in seqs:
-            self.engine.add_sequence(seq)
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        added = []
         try:
-            while any(not s.is_finished for s in seqs):
+            for request in requests:
+                self.engine.add(request)
+                added.append(request)
+            while any(not r.finished for r in requests):
                 self.engine.step()
         except BaseException:
-            for seq in seqs:
-                self.engine.abort(seq.request_id)
+            for request in added:
+                self.engine.abort(request.request_id)
             raise
-        return [self._final(p, s) for p, s in zip(prompts, seqs)]
+        return [self.engine.final_output(r) for r in requests]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -57,11 +59,6 @@ class LLM:
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt
         return outs
-
-    def _final(self, prompt, seq) -> RequestOutput:
-        out = self.engine._output(seq, seq.output_token_ids, seq.text)
-        out.prompt = prompt if isinstance(prompt, str) else None
-        return out
 
 
 def _no_tokenizer():

@@ -5,15 +5,31 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability (natural log), its 1-based rank, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence: ``text``, ``token_ids``, ``finish_reason`` ('stop' | 'length'
-    | 'abort' | None while running) and ``stop_reason`` (the stop token id, or None)."""
+    | 'abort' | None while running), ``stop_reason`` (the stop string or stop token id that
+    ended it; None for EOS or length) and, when asked, ``logprobs``: per token a dict
+    ``{token_id: Logprob}`` holding the top-N and the chosen token."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -48,4 +64,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)

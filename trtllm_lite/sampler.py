@@ -1,45 +1,152 @@
 """Vectorised token sampling over the whole batch (numpy).
 
-Greedy rows take the argmax. Sampled rows: logits / temperature, top-k and top-p
-filtering (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration"), then
-inverse-CDF sampling with one uniform draw per row. A seeded request draws from its own
-generator, so its tokens do not depend on what else is in the batch.
+Order, as in vLLM: logit bias -> min_tokens (EOS / stop tokens forbidden) -> penalties
+(repetition over prompt + output; presence and frequency over output) -> greedy rows take
+the argmax; sampled rows: temperature -> top-k -> softmax -> top-p (Holtzman et al. 2019)
+-> min-p (Nguyen et al. 2024) -> inverse-CDF sampling with one uniform draw per row. A
+seeded request draws from its own generator, so its tokens do not depend on the batch.
+Logprobs are those of the distribution actually sampled from (after every rule above).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from .sampling_params import SamplingParams
 
+TOP_P_CANDIDATES = 1024   # top-p sorts only this many most likely tokens unless they hold too little mass
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs of one sequence."""
+
+    params: SamplingParams
+    generator: np.random.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids: tuple[int, ...] = ()       # EOS (unless ignored) + stop_token_ids, for min_tokens
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Top-N ``(token_ids, logprobs)`` and the chosen token's ``logprob`` and 1-based ``rank``."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    logprob: float
+    rank: int
+
 
 def softmax(x: np.ndarray) -> np.ndarray:
-    """Row-wise softmax of ``[N, V]`` float32, stable."""
+    """Row-wise softmax of ``[N, V]`` float32, stable; -inf entries get probability 0."""
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def top_k_mask(logits: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Set logits below each row's k-th largest to -inf (``k <= 0``: keep all). In place."""
-    vocab = logits.shape[-1]
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def apply_logit_bias(x: np.ndarray, rows: list[SamplingRow]) -> None:
+    for r, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids = np.fromiter(row.params.logit_bias.keys(), np.int64)
+            x[r, ids] += np.fromiter(row.params.logit_bias.values(), np.float32)
+
+
+def apply_min_tokens(x: np.ndarray, rows: list[SamplingRow]) -> None:
+    for r, row in enumerate(rows):
+        if row.stop_ids and len(row.output_token_ids) < row.params.min_tokens:
+            x[r, list(row.stop_ids)] = -np.inf
+
+
+def apply_penalties(x: np.ndarray, rows: list[SamplingRow]) -> None:
+    """Repetition (prompt + output; CTRL, Keskar et al. 2019), presence and frequency
+    (output only; OpenAI's definition) penalties, for the rows that ask for them. In place."""
+    idx = [r for r, row in enumerate(rows) if row.params.has_penalties]
+    if not idx:
+        return
+    vocab = x.shape[-1]
+    outs = [np.asarray(rows[r].output_token_ids, np.int64) for r in idx]
+    prompts = [np.asarray(rows[r].prompt_token_ids, np.int64) for r in idx]
+    counts = np.zeros((len(idx), vocab), np.float32)
+    np.add.at(counts, (np.repeat(np.arange(len(idx)), [len(o) for o in outs]),
+                       np.concatenate(outs) if outs else np.zeros(0, np.int64)), 1)
+    in_prompt = np.zeros((len(idx), vocab), bool)
+    in_prompt[np.repeat(np.arange(len(idx)), [len(p) for p in prompts]), np.concatenate(prompts)] = True
+    rep = np.array([rows[r].params.repetition_penalty for r in idx], np.float32)[:, None]
+    pres = np.array([rows[r].params.presence_penalty for r in idx], np.float32)[:, None]
+    freq = np.array([rows[r].params.frequency_penalty for r in idx], np.float32)[:, None]
+    sub = x[idx]
+    seen = in_prompt | (counts > 0)
+    sub = np.where(seen, np.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= freq * counts + pres * (counts > 0)
+    x[idx] = sub
+
+
+def apply_top_k(x: np.ndarray, k: np.ndarray) -> None:
+    """Set logits below each row's k-th largest to -inf (``k <= 0`` keeps all). In place."""
+    vocab = x.shape[-1]
     for kk in np.unique(k[(k > 0) & (k < vocab)]):
         rows = np.nonzero(k == kk)[0]
-        kth = -np.partition(-logits[rows], kk - 1, axis=-1)[:, kk - 1:kk]
-        logits[rows] = np.where(logits[rows] < kth, -np.inf, logits[rows])
-    return logits
+        kth = -np.partition(-x[rows], kk - 1, axis=-1)[:, kk - 1:kk]
+        x[rows] = np.where(x[rows] < kth, -np.inf, x[rows])
 
 
-def top_p_mask(probs: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """Zero the tail outside each row's nucleus of mass ``p`` and renormalise. In place.
+def _nucleus(sub: np.ndarray, p: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the probability of the last token kept and its index in descending order,
+    looking at the ``k`` most likely tokens only."""
+    vocab = sub.shape[-1]
+    cand = np.partition(-sub, k - 1, axis=-1)[:, :k] if k < vocab else -sub
+    sorted_p = -np.sort(cand, axis=-1)
+    cum = np.cumsum(sorted_p, axis=-1)
+    keep = np.minimum((cum < p[:, None]).sum(-1), k - 1)
+    return sorted_p[np.arange(len(sub)), keep], keep
 
-    The most likely token always stays, so a tiny ``p`` gives the greedy token.
+
+def apply_top_p(probs: np.ndarray, p: np.ndarray) -> None:
+    """Zero the tail outside each row's nucleus of mass ``p``; renormalise. In place.
+
+    ``probs`` rows sum to 1. Sorts only the ``TOP_P_CANDIDATES`` most likely tokens (rows
+    whose candidates hold less than ``p`` are sorted whole). The most likely token always
+    stays; when it alone reaches ``p`` the row becomes one-hot on the argmax, so a tiny
+    ``p`` is greedy.
     """
-    for r in np.nonzero(p < 1.0)[0]:
-        order = np.argsort(-probs[r], kind="stable")
-        cum = np.cumsum(probs[r, order])
-        keep = int(np.searchsorted(cum, p[r] * cum[-1])) + 1
-        probs[r, order[keep:]] = 0.0
-        probs[r] /= probs[r].sum()
-    return probs
+    rows = np.nonzero(p < 1.0)[0]
+    if not len(rows):
+        return
+    sub, pr = probs[rows], p[rows]
+    k = min(sub.shape[-1], TOP_P_CANDIDATES)
+    threshold, keep = _nucleus(sub, pr, k)
+    short = keep == k - 1
+    if short.any() and k < sub.shape[-1]:
+        threshold[short], keep[short] = _nucleus(sub[short], pr[short], sub.shape[-1])
+    sub = np.where(sub < threshold[:, None], 0.0, sub)
+    single = np.nonzero(keep == 0)[0]
+    if len(single):
+        top = probs[rows[single]].argmax(-1)
+        sub[single] = 0.0
+        sub[single, top] = 1.0
+    probs[rows] = sub / sub.sum(-1, keepdims=True)
+
+
+def apply_min_p(probs: np.ndarray, min_p: np.ndarray) -> None:
+    rows = np.nonzero(min_p > 0)[0]
+    if len(rows):
+        sub = probs[rows]
+        sub = np.where(sub < min_p[rows, None] * sub.max(-1, keepdims=True), 0.0, sub)
+        probs[rows] = sub / sub.sum(-1, keepdims=True)
+
+
+def top_logprobs(logprobs: np.ndarray, token: int, n: int) -> TokenLogprobs:
+    """Top-``n`` of one row ``[V]`` (descending) plus ``token``'s logprob and rank."""
+    top = np.argpartition(-logprobs, n - 1)[:n] if 0 < n < len(logprobs) else np.arange(n)
+    top = top[np.argsort(-logprobs[top], kind="stable")]
+    lp = float(logprobs[token])
+    return TokenLogprobs(top, logprobs[top], lp, int((logprobs > lp).sum()) + 1)
 
 
 class Sampler:
@@ -52,20 +159,47 @@ class Sampler:
     def __init__(self, seed: int | None = None):
         self.rng = np.random.default_rng(seed)
 
-    def __call__(self, logits: np.ndarray, params: list[SamplingParams],
-                 generators: list[np.random.Generator | None]) -> np.ndarray:
-        """Sample ``[N]`` int64 tokens from ``logits [N, V]`` float32, one row per request."""
-        tokens = logits.argmax(axis=-1)
-        rows = np.array([not p.greedy for p in params], bool)
-        if not rows.any():
-            return tokens
-        idx = np.nonzero(rows)[0]
-        temps = np.array([params[i].temperature for i in idx], np.float32)[:, None]
-        x = logits[idx] / temps
-        top_k_mask(x, np.array([params[i].top_k for i in idx]))
-        probs = top_p_mask(softmax(x), np.array([params[i].top_p for i in idx]))
-        u = np.array([(generators[i] or self.rng).random() for i in idx])
-        cdf = np.cumsum(probs, axis=-1)
-        choice = (cdf < u[:, None] * cdf[:, -1:]).sum(axis=-1)
-        tokens[idx] = np.minimum(choice, logits.shape[-1] - 1)
-        return tokens
+    def process_logits(self, logits: np.ndarray, rows: list[SamplingRow]) -> np.ndarray:
+        """Bias, min_tokens and penalties on a float32 copy of ``logits [N, V]``."""
+        x = np.array(logits, np.float32, copy=True)
+        apply_logit_bias(x, rows)
+        apply_min_tokens(x, rows)
+        apply_penalties(x, rows)
+        return x
+
+    def __call__(self, logits: np.ndarray, rows: list[SamplingRow]
+                 ) -> tuple[np.ndarray, list[TokenLogprobs | None]]:
+        """Sample one token per row of ``logits [N, V]`` float32.
+
+        Returns ``(tokens [N] int64, logprobs)``; ``logprobs[i]`` is None unless row i asked.
+        """
+        x = self.process_logits(logits, rows)
+        tokens = x.argmax(axis=-1)
+        want_logprobs = [row.params.logprobs is not None for row in rows]
+        dist = [None] * len(rows)                  # log-distribution per row, when asked
+        sampled = np.array([not row.params.greedy for row in rows], bool)
+        if sampled.any():
+            idx = np.nonzero(sampled)[0]
+            params = [rows[i].params for i in idx]
+            t = x[idx] / np.array([p.temperature for p in params], np.float32)[:, None]
+            apply_top_k(t, np.array([p.top_k for p in params]))
+            probs = softmax(t)
+            apply_top_p(probs, np.array([p.top_p for p in params]))
+            apply_min_p(probs, np.array([p.min_p for p in params]))
+            u = np.array([(rows[i].generator or self.rng).random() for i in idx])
+            cdf = np.cumsum(probs, axis=-1)
+            choice = np.minimum((cdf < u[:, None] * cdf[:, -1:]).sum(axis=-1), x.shape[-1] - 1)
+            ok = np.isfinite(cdf[:, -1]) & (cdf[:, -1] > 0)      # all-masked rows stay greedy
+            tokens[idx[ok]] = choice[ok]
+            for j, i in enumerate(idx):
+                if want_logprobs[i]:
+                    with np.errstate(divide="ignore"):
+                        dist[i] = np.log(probs[j])
+        out: list[TokenLogprobs | None] = []
+        for i, row in enumerate(rows):
+            if not want_logprobs[i]:
+                out.append(None)
+                continue
+            lp = dist[i] if dist[i] is not None else log_softmax(x[i:i + 1])[0]
+            out.append(top_logprobs(lp, int(tokens[i]), row.params.logprobs))
+        return tokens, out

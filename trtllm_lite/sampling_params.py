@@ -1,54 +1,137 @@
-"""Per-request sampling and stopping parameters, with vLLM / TensorRT-LLM names."""
+"""Per-request sampling and stopping parameters, with vLLM / TensorRT-LLM names and meanings."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
 class SamplingParams:
     """How to pick each output token and when to stop.
 
-    Args:
-        max_tokens: most output tokens to generate (>= 1).
-        temperature: 0 means greedy; otherwise logits are divided by it (>= 0).
-        top_k: keep the k most likely tokens; 0 or -1 keeps all.
-        top_p: keep the smallest set of most likely tokens whose probability sum reaches it (0, 1].
-        seed: a per-request random generator: the same seed gives the same tokens whatever
-            else is in the batch.
-        stop_token_ids: token ids that end the request (besides EOS unless ``ignore_eos``).
-        ignore_eos: keep generating after EOS.
+    Sampling (applied in this order to the logits of every step):
+        logit_bias: ``{token_id: bias}`` added to the logits.
+        min_tokens: EOS and ``stop_token_ids`` are forbidden until this many tokens exist.
+        repetition_penalty: > 0; over prompt and output tokens, positive logits are divided
+            by it and negative ones multiplied (CTRL, Keskar et al. 2019). 1 = off.
+        presence_penalty, frequency_penalty: in [-2, 2]; over output tokens only, subtract
+            ``presence * (count > 0) + frequency * count`` (OpenAI's definition).
+        temperature: >= 0; 0 is greedy (argmax after the rules above).
+        top_k: keep the k most likely tokens; 0 or -1 keeps all; 1 is greedy.
+        top_p: in (0, 1]; keep the smallest most-likely set reaching this mass (Holtzman et al. 2019).
+        min_p: in [0, 1]; drop tokens less likely than ``min_p`` x the top token's probability.
+        seed: a per-request generator: the same seed gives the same tokens whatever else is
+            in the batch and however it is scheduled.
+        n: sequences per request; they share the prompt's KV blocks.
+    Stopping:
+        max_tokens: >= 1 output tokens at most; finish reason 'length'.
+        stop: strings that end the output (found across token boundaries); the text is cut
+            before the first occurrence unless ``include_stop_str_in_output``.
+        stop_token_ids: tokens that end the output (as EOS does unless ``ignore_eos``).
+    Output:
+        logprobs: top-N log-probabilities per output token, of the distribution actually
+            sampled from, plus the sampled token's own.
+        prompt_logprobs: top-N log-probabilities per prompt token.
         skip_special_tokens: leave special tokens out of the text.
 
     Raises:
         ValueError: a value is out of range; the message names the parameter.
     """
 
+    n: int = 1
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
+    stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check()
+
+    def _check(self) -> None:
         def bad(name, why):
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if not self.temperature >= 0:
-            bad("temperature", "must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if not is_num(self.temperature) or not 0 <= self.temperature < float("inf"):
+            bad("temperature", "must be a finite number >= 0")
+        if not is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an integer >= -1 (0 or -1: all tokens)")
-        if not 0 < self.top_p <= 1:
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
+            bad("repetition_penalty", "must be a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             bad("seed", "must be a non-negative integer")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= 20):
+                bad(name, "must be an integer in [0, 20]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must be a dict {token_id: bias}")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                bad("logit_bias", "must map integer token ids to numbers")
+            if any(k < 0 or not -100 <= v <= 100 for k, v in self.logit_bias.items()):
+                bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the parameter if a token id is outside the vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", list(self.logit_bias or {}))):
+            for t in ids:
+                if t >= vocab_size:
+                    raise ValueError(f"{name} token id {t} is outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
+        """Argmax sampling: temperature (near) 0 or top_k 1."""
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The parameter names (for front ends that map request fields by name)."""
+        return [f.name for f in fields(cls)]

@@ -1,7 +1,13 @@
-"""The KV block pool: a free list and reference counts, nothing more."""
+"""The KV block pool: a free queue, reference counts and the prefix-cache hash map.
+
+A block is *used* while some sequence references it (``ref_count > 0``) and *free*
+otherwise. A free block that holds a full, hashed block of tokens stays findable through
+its hash (a *cached* block) until the pool needs it: the free queue is least-recently-used
+first, so allocation evicts the block that was freed longest ago.
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 import numpy as np
 
@@ -9,8 +15,9 @@ import numpy as np
 class BlockPool:
     """Hands out physical KV blocks ``0 .. num_blocks - 1``.
 
-    Invariant (checked by :meth:`check`): ``num_free + num_used == num_blocks``, every
-    reference count is >= 0, and a block is free exactly when its count is 0.
+    Invariants (checked by :meth:`check`): ``num_free + num_used == num_blocks``; every
+    reference count is >= 0; a block is in the free queue exactly when its count is 0;
+    the hash map and each block's hash agree.
     """
 
     def __init__(self, num_blocks: int):
@@ -18,7 +25,10 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = np.zeros(num_blocks, np.int64)
-        self._free: deque[int] = deque(range(num_blocks))
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}                      # block hash -> block
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -28,28 +38,74 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable by hash (used or free)."""
+        return len(self.cached)
+
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (ref count 1 each). Raises ``RuntimeError`` if too few."""
+        """Take ``n`` blocks from the LRU end of the free queue (evicting cached ones).
+
+        Raises:
+            RuntimeError: fewer than ``n`` blocks are free.
+        """
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        self.ref_counts[blocks] = 1
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
+    def touch(self, blocks: list[int]) -> None:
+        """Take one more reference to each block (a prefix-cache hit or a fork)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+
     def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; a block at zero goes back to the free list."""
+        """Drop one reference to each block; at zero it joins the free queue's MRU end.
+
+        Blocks are released last-first, so a sequence's tail blocks are evicted before its
+        head (other requests are likelier to share a prefix than a tail).
+        """
         for b in reversed(blocks):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
             elif self.ref_counts[b] < 0:
                 raise RuntimeError(f"KV block {b} freed more often than allocated")
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """Make a full block findable by its hash (first writer wins on duplicates)."""
+        if self.block_hashes[block] is None and block_hash not in self.cached:
+            self.block_hashes[block] = block_hash
+            self.cached[block_hash] = block
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hashes[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hashes[block] = None
+            self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks stay allocated where referenced)."""
+        self.cached.clear()
+        self.block_hashes = [None] * self.num_blocks
 
     def check(self) -> None:
         """Assert the pool invariants (tests call this after every step)."""
         assert self.num_free + self.num_used == self.num_blocks
         assert (self.ref_counts >= 0).all(), "negative ref count"
-        free = set(self._free)
-        assert len(free) == len(self._free), "block twice in the free list"
-        assert all(self.ref_counts[b] == 0 for b in free), "free block still referenced"
-        assert int((self.ref_counts == 0).sum()) == len(free), "unreferenced block not free"
+        assert all(self.ref_counts[b] == 0 for b in self._free), "free block still referenced"
+        assert int((self.ref_counts == 0).sum()) == len(self._free), "unreferenced block not free"
+        for h, b in self.cached.items():
+            assert self.block_hashes[b] == h, "hash map and block hash disagree"

@@ -8,13 +8,14 @@ import numpy as np
 
 from ..detokenizer import IncrementalDetokenizer
 from ..engine_dir import load_engine_dir
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ..sampler import Sampler
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..sampler import Sampler, SamplingRow, TokenLogprobs, log_softmax, top_logprobs
 from ..sampling_params import SamplingParams
+from ..stop_strings import find_stop, held_back
 from ..tokenizer import Tokenizer
 from .kv_cache_manager import KVCacheManager
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Sequence
+from .sequence import Request, Sequence, SequenceStatus
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
@@ -30,6 +31,8 @@ class LLMEngine:
             what ``max_num_seqs`` sequences of ``max_seq_len`` tokens can use).
         num_kv_blocks: pool size in blocks, overriding ``kv_cache_memory_bytes``.
         enable_chunked_prefill: cut long prompts into budget-sized chunks.
+        enable_prefix_caching: share full KV blocks between requests with equal prefixes.
+        max_waiting: waiting requests at most; more raise ``OverflowError`` (queue full).
         num_threads: backend threads (default: all cores).
         seed: seed of the generator unseeded sampled requests draw from.
         verify_checksums: check every engine file's sha256 on load.
@@ -42,7 +45,8 @@ class LLMEngine:
     def __init__(self, engine_dir: str, *, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_seq_len: int | None = None,
                  kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
-                 enable_chunked_prefill: bool = True, num_threads: int | None = None,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
+                 max_waiting: int = 1 << 20, num_threads: int | None = None,
                  seed: int | None = None, verify_checksums: bool = True):
         self.engine = load_engine_dir(engine_dir, verify_checksums=verify_checksums)
         build, model = self.engine.build, self.engine.model
@@ -54,7 +58,10 @@ class LLMEngine:
             if value is not None and not 1 <= value <= build[name]:
                 raise ValueError(f"{name} must be in [1, {build[name]}] (the engine's build value), got {value}")
             limits[name] = value or build[name]
-        self.scheduler_config = SchedulerConfig(enable_chunked_prefill=enable_chunked_prefill, **limits)
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.scheduler_config = SchedulerConfig(enable_chunked_prefill=enable_chunked_prefill,
+                                                max_waiting=max_waiting, **limits)
         self.block_size = build["block_size"]
         bytes_per_block = 2 * model["num_layers"] * self.block_size * model["num_kv_heads"] * model["head_dim"] * 4
         if num_kv_blocks is None:
@@ -65,7 +72,7 @@ class LLMEngine:
             num_kv_blocks = min(budget // bytes_per_block, most)
         elif num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
-        self.kv = KVCacheManager(num_kv_blocks, self.block_size)
+        self.kv = KVCacheManager(num_kv_blocks, self.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = self._make_runner(num_kv_blocks, num_threads)
         try:
@@ -76,9 +83,10 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(seed)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_generated_tokens = 0
 
     def _make_runner(self, num_kv_blocks: int, num_threads: int | None):
         backend = self.engine.backend
@@ -93,7 +101,8 @@ class LLMEngine:
         """Token ids of ``prompt`` (text or ids), validated.
 
         Raises:
-            ValueError: empty prompt, ids outside ``[0, vocab_size)``, or text without a tokenizer.
+            ValueError: empty prompt, ids outside ``[0, vocab_size)``, more tokens than
+                ``max_seq_len``, or text without a tokenizer.
             TypeError: the prompt is neither a string nor a list of ints.
         """
         vocab = self.model_config["vocab_size"]
@@ -104,9 +113,9 @@ class LLMEngine:
                 raise ValueError("this engine has no tokenizer: pass the prompt as token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(t) for t in prompt]
-            if any(not isinstance(t, (int, np.integer)) for t in prompt):
+            if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
                 raise TypeError("prompt token ids must be integers")
+            ids = [int(t) for t in prompt]
         else:
             raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -119,66 +128,166 @@ class LLMEngine:
                              f"{self.scheduler_config.max_seq_len}")
         return ids
 
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None) -> Sequence:
-        """Validate and build a sequence without queueing it (safe from any thread)."""
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, cache_salt: str | None = None) -> Request:
+        """Validate and build a request without queueing it (safe from any thread).
+
+        Raises ``ValueError`` / ``TypeError`` naming the problem.
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
+        params.check_vocab(self.model_config["vocab_size"])
+        if params.n > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs})")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError("cache_salt must be a string")
         ids = self.tokenize_prompt(prompt)
-        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params)
-        self.scheduler.check_fits(seq)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("request_id must be a non-empty string")
+        request = Request(rid, prompt if isinstance(prompt, str) else None, ids, params)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        request.seqs.append(self._new_sequence(request, 0, cache_salt))
+        self.scheduler.check_fits(request.seqs[0])
+        return request
+
+    def _new_sequence(self, request: Request, index: int, cache_salt: str | None) -> Sequence:
+        seq = Sequence(request.request_id, request.prompt_token_ids, request.params, index=index,
+                       cache_salt=cache_salt, request=request)
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     request.params.skip_special_tokens)
         return seq
 
-    def add_sequence(self, seq: Sequence) -> None:
-        if seq.request_id in self.requests:
-            raise ValueError(f"request_id {seq.request_id!r} is already in use")
-        self.scheduler.add(seq)
-        self.requests[seq.request_id] = seq
+    def add(self, request: Request) -> None:
+        """Queue a request made by :meth:`make_request`.
+
+        Raises ``ValueError`` for a request id in use, ``OverflowError`` when the waiting
+        queue is full.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.scheduler.add(request.seqs[0])
+        self.requests[request.request_id] = request
+
+    # names kept for callers written against the first API
+    make_sequence = make_request
+    add_sequence = add
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
         """Queue a request; return its id. Raises ``ValueError`` / ``TypeError`` on bad input."""
-        seq = self.make_sequence(prompt, params, request_id)
-        self.add_sequence(seq)
-        return seq.request_id
+        request = self.make_request(prompt, params, request_id, cache_salt)
+        self.add(request)
+        return request.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort a request in any state; its blocks return at once. Idempotent."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None or seq.is_finished:
+        """Abort a request in any state; its blocks return at once. Idempotent: returns the
+        final output the first time, None after (or for an unknown id)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
             return None
-        self.scheduler.finish(seq, "abort")
-        return self._output(seq, [], "")
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "abort")
+        return self._request_output(request, [(s, self._completion(s, [], "", [])) for s in request.seqs])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; return a delta :class:`RequestOutput` per request that produced a
-        token or finished."""
+        """Run one step; return one delta :class:`RequestOutput` per request that produced
+        a token or finished (``outputs`` holds the sequences that changed)."""
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
+        items = sched.batch.decode + sched.batch.prefill
+        for seq, item in zip(sched.seqs, items):
+            if self._wants_prompt_logprobs(seq):
+                item.num_logits = item.num_new_tokens
+        self.runner.copy_blocks(self.kv.take_pending_copies())
         logits = self.runner.execute(sched.batch)
         self.num_steps += 1
         now = time.monotonic()
-        sampled = []
-        for seq, item in zip(sched.seqs, sched.batch.decode + sched.batch.prefill):
+        to_sample: list[tuple[Sequence, int]] = []        # (sequence, logits row)
+        row = 0
+        for seq, item in zip(sched.seqs, items):
+            first_row, row = row, row + item.num_logits
+            if self._wants_prompt_logprobs(seq):
+                self._add_prompt_logprobs(seq, item.start, logits[first_row:row])
             seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(seq)
             if item.samples:
-                sampled.append(seq)
-        outputs = []
-        if sampled:
-            tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
-            for seq, token in zip(sampled, tokens.tolist()):
-                outputs.append(self._append_token(seq, token, now))
-        return outputs
+                to_sample.append((seq, row - 1))
+                request = seq.request
+                if seq.index == 0 and len(request.seqs) < request.params.n:
+                    to_sample += [(child, row - 1) for child in self._fork(seq)]
+        if not to_sample:
+            return []
+        seqs = [s for s, _ in to_sample]
+        rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids,
+                            () if s.num_output_tokens >= s.params.min_tokens else self._stop_ids(s.params))
+                for s in seqs]
+        tokens, lps = self.sampler(logits[[r for _, r in to_sample]], rows)
+        by_request: dict[str, list] = {}
+        for seq, token, lp in zip(seqs, tokens.tolist(), lps):
+            by_request.setdefault(seq.request_id, []).append((seq, self._append_token(seq, token, lp, now)))
+        self.num_generated_tokens += len(seqs)
+        return [self._request_output(self._request_of(group[0][0]), group) for group in by_request.values()]
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Make the request's other n - 1 sequences; they share the parent's blocks."""
+        request = parent.request
+        children = []
+        for index in range(1, request.params.n):
+            child = self._new_sequence(request, index, parent.cache_salt)
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.arrival_time = parent.arrival_time
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.status = SequenceStatus.RUNNING
+            self.kv.fork(parent, child)
+            self.scheduler.running.append(child)
+            request.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return eos + tuple(params.stop_token_ids)
+
+    def _request_of(self, seq: Sequence) -> Request:
+        return seq.request
+
+    def _wants_prompt_logprobs(self, seq: Sequence) -> bool:
+        request = seq.request
+        return (request.prompt_logprobs is not None and seq.index == 0
+                and len(request.prompt_logprobs) < seq.num_prompt_tokens)
+
+    def _add_prompt_logprobs(self, seq: Sequence, start: int, rows: np.ndarray) -> None:
+        """Row j holds the logits after token ``start + j``: the distribution of the next
+        prompt token (raw model distribution, as vLLM reports prompt logprobs)."""
+        request = seq.request
+        n = request.params.prompt_logprobs
+        for j in range(len(rows)):
+            pos = start + j + 1
+            if pos >= seq.num_prompt_tokens or pos < len(request.prompt_logprobs):
+                continue
+            token = seq.prompt_token_ids[pos]
+            request.prompt_logprobs.append(self._logprob_dict(
+                top_logprobs(log_softmax(rows[j:j + 1].astype(np.float32))[0], token, n), token))
+
+    def _logprob_dict(self, lp: TokenLogprobs, token: int) -> dict[int, Logprob]:
+        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)
+        out = {int(t): Logprob(float(v), i + 1, decode(int(t))) for i, (t, v) in enumerate(zip(lp.token_ids, lp.logprobs))}
+        if token not in out:
+            out[token] = Logprob(lp.logprob, lp.rank, decode(token))
+        return out
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> CompletionOutput:
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -186,27 +295,55 @@ class LLMEngine:
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason, seq.stop_reason = "stop", (token if token in p.stop_token_ids else None)
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.scheduler_config.max_seq_len:
-            reason = "length"
-        delta = ""
-        if seq.detokenizer is not None and reason != "stop":
+        if reason is None and seq.detokenizer is not None:
             delta = seq.detokenizer.step(token)
             seq.text += delta
+            if p.stop and delta and seq.num_output_tokens >= p.min_tokens:
+                hit = find_stop(seq.text, len(delta), p.stop)
+                if hit is not None:
+                    index, stop = hit
+                    seq.text = seq.text[:index + (len(stop) if p.include_stop_str_in_output else 0)]
+                    reason, seq.stop_reason = "stop", stop
+        if reason is None and (seq.num_output_tokens >= p.max_tokens
+                               or seq.num_tokens >= self.scheduler_config.max_seq_len):
+            reason = "length"
+        logprobs = []
+        if lp is not None:
+            logprobs = [self._logprob_dict(lp, token)]
+            seq.logprobs.extend(logprobs)
+        release = len(seq.text) if reason else len(seq.text) - held_back(seq.text, p.stop)
+        delta_text = seq.text[seq.num_text_sent:release]
+        seq.num_text_sent = max(seq.num_text_sent, release)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            self.requests.pop(seq.request_id, None)
-        return self._output(seq, [token], delta)
+            if seq.request.finished:
+                self.requests.pop(seq.request_id, None)
+        return self._completion(seq, [token], delta_text, logprobs)
 
-    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
-        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                                 seq.finish_time, seq.num_preemptions)
-        return RequestOutput(seq.request_id, None, seq.prompt_token_ids,
-                             [CompletionOutput(0, delta, new_ids, seq.finish_reason, seq.stop_reason)],
-                             seq.is_finished, metrics)
+    def _completion(self, seq: Sequence, ids: list[int], text: str, logprobs: list) -> CompletionOutput:
+        return CompletionOutput(seq.index, text, ids, seq.finish_reason, seq.stop_reason,
+                                logprobs if seq.params.logprobs is not None else None)
+
+    def _request_output(self, request: Request, changed: list[tuple[Sequence, CompletionOutput]]) -> RequestOutput:
+        first = request.seqs[0]
+        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                 max((s.finish_time or 0) for s in request.seqs) if request.finished else None,
+                                 sum(s.num_preemptions for s in request.seqs))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             [c for _, c in changed], request.finished, metrics,
+                             request.num_cached_tokens, request.prompt_logprobs)
+
+    def final_output(self, request: Request) -> RequestOutput:
+        """The cumulative output of a request: every sequence's whole text and tokens."""
+        return self._request_output(request, [
+            (s, self._completion(s, s.output_token_ids, s.text[:s.num_text_sent] if not s.is_finished else s.text,
+                                 s.logprobs or [])) for s in request.seqs])
 
     def stats(self) -> dict:
-        """KV blocks used/free, waste, running/waiting counts, preemptions, steps."""
+        """KV blocks used/free/cached, waste, prefix hits, running/waiting counts,
+        preemptions, steps and generated tokens."""
         s = self.kv.stats(self.scheduler.running)
         s.update(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                 num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+                 num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+                 num_generated_tokens=self.num_generated_tokens)
         return s

@@ -111,16 +111,20 @@ class Scheduler:
                 i += 1
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
 
-        # 2. admit waiting sequences (never while one had to be preempted this step)
+        # 2. admit waiting sequences (never while one had to be preempted this step),
+        #    reusing their longest cached prefix
         while self.waiting and not preempted and budget > 0 and len(self.running) < c.max_num_seqs:
             seq = self.waiting[0]
-            n = self._num_new_tokens(seq, budget)
-            if n == 0 or not self.kv.allocate_slots(seq, n):
+            computed = self.kv.get_computed_blocks(seq)
+            hit_tokens = len(computed) * self.kv.block_size
+            n = self._num_new_tokens(seq, budget, seq.num_computed_tokens + hit_tokens)
+            if n == 0 or not self.kv.allocate_slots(seq, n, computed):
                 break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                self.kv.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
+            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
@@ -137,8 +141,8 @@ class Scheduler:
                 seqs_prefill.append(seq)
         return SchedulerOutput(seqs_decode + seqs_prefill, batch, preempted)
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        n = seq.num_tokens - seq.num_computed_tokens
+    def _num_new_tokens(self, seq: Sequence, budget: int, computed: int | None = None) -> int:
+        n = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
         if n > budget:
             return budget if self.config.enable_chunked_prefill else 0
         return n

@@ -40,15 +40,26 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)   # full blocks' prefix-cache keys
+    num_registered_blocks: int = 0   # leading blocks already findable in the prefix cache
+    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache
     generator: np.random.Generator | None = None
     detokenizer: object | None = None
-    text: str = ""
+    text: str = ""                   # output text so far (cut at a stop string)
+    num_text_sent: int = 0           # characters of ``text`` already streamed
+    logprobs: list | None = None     # per output token {token_id: Logprob}, when asked
+    index: int = 0                   # which of the request's n sequences
+    request: "Request | None" = None  # the request this sequence belongs to
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
-            self.generator = np.random.default_rng(self.params.seed)
+            seed = self.params.seed if self.index == 0 else [self.params.seed, self.index]
+            self.generator = np.random.default_rng(seed)
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -69,3 +80,25 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """A user request: one prompt, ``params.n`` sequences (forked after the prompt's
+    prefill, sharing its KV blocks), and the prompt's logprobs when asked."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs) and (
+            len(self.seqs) == self.params.n or any(s.finish_reason == "abort" for s in self.seqs))
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.seqs[0].num_cached_tokens if self.seqs else 0

@@ -3,8 +3,9 @@
 The scheduler hands the runner a :class:`StepBatch`: which sequences run this step and how
 many new tokens each computes. The runner builds its graph inputs with
 :func:`build_step_inputs`, runs the decode graph for one-token sequences and the prefill
-graph for the rest, stores the new K/V in its pools, and returns logits for the sequences
-that reached their last token (the ones to sample), in batch order.
+graph for the rest, stores the new K/V in its pools, and returns the logits each sequence
+asked for (``num_logits`` rows from its last new tokens: 1 to sample, all of a chunk for
+prompt logprobs, k + 1 to verify k draft tokens), concatenated in batch order.
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ class ScheduledSeq:
     block_table: list[int]        # physical block per logical block
     start: int                    # num_computed_tokens before the step (= context length)
     num_new_tokens: int           # query length
+    num_logits: int = -1          # logits rows from the last new tokens; -1: 1 if samples else 0
+
+    def __post_init__(self) -> None:
+        if self.num_logits < 0:
+            self.num_logits = 1 if self.samples else 0
 
     @property
     def samples(self) -> bool:
@@ -37,9 +43,9 @@ class StepBatch:
     prefill: list[ScheduledSeq] = field(default_factory=list)
 
     @property
-    def sampled(self) -> list[ScheduledSeq]:
-        """Sequences whose logits the runner returns, in the order of its logits rows."""
-        return [s for s in self.decode + self.prefill if s.samples]
+    def num_logits(self) -> int:
+        """Rows of logits the runner returns for this batch."""
+        return sum(s.num_logits for s in self.decode + self.prefill)
 
     @property
     def num_tokens(self) -> int:
@@ -74,16 +80,23 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
     seq_of_token = np.repeat(np.arange(len(seqs)), query_lens)
     positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts, query_lens)
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    sampled = np.fromiter((s.samples for s in seqs), bool, len(seqs))
+    num_logits = np.fromiter((s.num_logits for s in seqs), np.int64, len(seqs))
+    rows = np.arange(int(num_logits.sum()), dtype=np.int64)
+    ends = np.repeat(qsl[1:], num_logits)
+    offsets = np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+    logits_indices = ends - num_logits.repeat(num_logits) + (rows - offsets)
     return StepInputs(np.asarray(input_ids, np.int64), positions, slot_mapping, block_tables,
-                      starts, qsl, (qsl[1:] - 1)[sampled])
+                      starts, qsl, logits_indices)
 
 
 class ModelRunner(Protocol):
-    """A backend. ``execute`` returns logits ``[len(batch.sampled), vocab]`` float32."""
+    """A backend. ``execute`` returns logits ``[batch.num_logits, vocab]`` float32;
+    ``copy_blocks`` copies whole KV blocks ``src -> dst`` in every layer (copy-on-write)."""
 
     block_size: int
     num_blocks: int
     vocab_size: int
 
     def execute(self, batch: StepBatch) -> np.ndarray: ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...

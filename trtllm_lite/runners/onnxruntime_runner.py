@@ -122,12 +122,19 @@ class OnnxRuntimeRunner:
         self.key_cache.reshape(flat)[:, slot_mapping] = new_keys
         self.value_cache.reshape(flat)[:, slot_mapping] = new_values
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks ``src -> dst`` in every layer, K and V (copy-on-write)."""
+        if pairs:
+            src, dst = (np.array(x, np.int64) for x in zip(*pairs))
+            self.key_cache[:, dst] = self.key_cache[:, src]
+            self.value_cache[:, dst] = self.value_cache[:, src]
+
     def execute(self, batch: StepBatch) -> np.ndarray:
-        """Run one step; return logits ``[len(batch.sampled), vocab]`` float32."""
+        """Run one step; return logits ``[batch.num_logits, vocab]`` float32."""
         parts = []
         if batch.decode:
             logits = self._run("decode", build_step_inputs(batch.decode, self.block_size))
-            parts.append(logits[[s.samples for s in batch.decode]])
+            parts.append(logits[[s.num_logits > 0 for s in batch.decode]])
         if batch.prefill:
             parts.append(self._run("prefill", build_step_inputs(batch.prefill, self.block_size)))
         if not parts:
