@@ -1,0 +1,176 @@
+"""The peers the benchmarks compare against, fed the same token ids with greedy settings.
+
+* :class:`HFPeer`: HF transformers ``generate`` (fp32, eager PyTorch on the CPU), batch 1
+  and static batches (left-padded, every row run to the batch's longest output).
+* :class:`GenAIPeer`: onnxruntime-genai (``pip install onnxruntime-genai``), one request
+  at a time, from a model directory its builder made from an HF directory.
+* :class:`LlamaCppPeer`: llama.cpp through ``llama-cpp-python`` on a GGUF file, when installed.
+
+Each exposes ``latency(prompt, max_tokens) -> {ttft_ms, decode_tokens_per_s, tpot_ms}`` and
+``generate_ids(prompt, max_tokens) -> list[int]`` (greedy), times from ``time.perf_counter``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+
+def decode_rate(t_first: float, t_all: float, max_tokens: int) -> dict[str, float]:
+    """TTFT and decode speed from two timed runs: one token (``t_first`` s) and
+    ``max_tokens`` tokens (``t_all`` s) from the same prompt."""
+    tpot = (t_all - t_first) / (max_tokens - 1)
+    return {"ttft_ms": t_first * 1e3, "tpot_ms": tpot * 1e3, "decode_tokens_per_s": 1.0 / tpot}
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def load_hf_model(model_path: str, num_threads: int):
+    """transformers' own loader: a GGUF file (dequantized to fp32) or an HF directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(num_threads)
+    if model_path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path),
+                                                     gguf_file=os.path.basename(model_path),
+                                                     torch_dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    return model.eval()
+
+
+class HFPeer:
+    """HF transformers ``generate``, greedy, fp32, ``num_threads`` intra-op threads."""
+
+    name = "HF transformers"
+
+    def __init__(self, model_path: str, num_threads: int = 2, model=None):
+        import torch
+
+        self.torch = torch
+        self.model = model if model is not None else load_hf_model(model_path, num_threads)
+        torch.set_num_threads(num_threads)
+
+    def _generate(self, batch: list[list[int]], max_tokens: int):
+        torch = self.torch
+        width = max(len(p) for p in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(batch):  # left padding, as generate expects for decoder-only models
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            return self.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                                       eos_token_id=None)[:, width:]
+
+    def generate_ids(self, prompt: list[int], max_tokens: int) -> list[int]:
+        return self._generate([prompt], max_tokens)[0].tolist()
+
+    def latency(self, prompt: list[int], max_tokens: int, repeats: int = 3) -> dict[str, float]:
+        t1 = _best(lambda: self._generate([prompt], 1), repeats)
+        tn = _best(lambda: self._generate([prompt], max_tokens), repeats)
+        return decode_rate(t1, tn, max_tokens)
+
+    def static_batches(self, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> dict:
+        """Static batching: requests in arrival order, ``batch_size`` at a time, each batch
+        padded to its longest prompt and run to its longest output. Only each request's own
+        ``max_tokens`` count as output. Returns ``{wall_s, output_tokens, output_tokens_per_s}``."""
+        t = time.perf_counter()
+        for s in range(0, len(prompts), batch_size):
+            self._generate(prompts[s:s + batch_size], max(max_tokens[s:s + batch_size]))
+        wall = time.perf_counter() - t
+        out = sum(max_tokens)
+        return {"wall_s": wall, "output_tokens": out, "output_tokens_per_s": out / wall,
+                "total_tokens_per_s": (out + sum(map(len, prompts))) / wall}
+
+
+class GenAIPeer:
+    """onnxruntime-genai on a model directory its builder wrote (``genai_config.json``)."""
+
+    name = "onnxruntime-genai"
+
+    def __init__(self, model_dir: str, num_threads: int = 2):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(model_dir)
+        self.model = og.Model(config)
+        self.num_threads = num_threads
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("onnxruntime_genai") is not None
+
+    def _run(self, prompt: list[int], max_tokens: int) -> list[int]:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=len(prompt) + max_tokens,
+                                  min_length=len(prompt) + max_tokens, batch_size=1)
+        gen = og.Generator(self.model, params)
+        gen.append_tokens([prompt])
+        out = []
+        while not gen.is_done() and len(out) < max_tokens:
+            gen.generate_next_token()
+            out.append(int(gen.get_next_tokens()[0]))
+        return out
+
+    def generate_ids(self, prompt: list[int], max_tokens: int) -> list[int]:
+        return self._run(prompt, max_tokens)
+
+    def latency(self, prompt: list[int], max_tokens: int, repeats: int = 3) -> dict[str, float]:
+        t1 = _best(lambda: self._run(prompt, 1), repeats)
+        tn = _best(lambda: self._run(prompt, max_tokens), repeats)
+        return decode_rate(t1, tn, max_tokens)
+
+    def sequential(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+        """One request at a time, in order. Returns ``{wall_s, output_tokens, output_tokens_per_s}``."""
+        t = time.perf_counter()
+        for p, k in zip(prompts, max_tokens):
+            self._run(p, k)
+        wall = time.perf_counter() - t
+        out = sum(max_tokens)
+        return {"wall_s": wall, "output_tokens": out, "output_tokens_per_s": out / wall,
+                "total_tokens_per_s": (out + sum(map(len, prompts))) / wall}
+
+
+class LlamaCppPeer:
+    """llama.cpp through ``llama-cpp-python`` (only when that package is installed)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: str, num_threads: int = 2, n_ctx: int = 4096):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=num_threads,
+                         n_threads_batch=num_threads, n_batch=512, verbose=False, logits_all=False)
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("llama_cpp") is not None
+
+    def _run(self, prompt: list[int], max_tokens: int) -> list[int]:
+        self.llm.reset()
+        out = []
+        for tok in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            out.append(int(tok))
+            if len(out) >= max_tokens:
+                break
+        return out
+
+    def generate_ids(self, prompt: list[int], max_tokens: int) -> list[int]:
+        return self._run(prompt, max_tokens)
+
+    def latency(self, prompt: list[int], max_tokens: int, repeats: int = 3) -> dict[str, float]:
+        t1 = _best(lambda: self._run(prompt, 1), repeats)
+        tn = _best(lambda: self._run(prompt, max_tokens), repeats)
+        return decode_rate(t1, tn, max_tokens)
