@@ -64,8 +64,11 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """The longest chain of cached blocks that starts ``seq`` (nothing is taken yet)."""
-        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+        """The longest chain of cached blocks that starts ``seq`` (nothing is taken yet).
+
+        Requests that want prompt logprobs compute their whole prompt (no hits)."""
+        if (not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table
+                or seq.params.prompt_logprobs is not None):
             return []
         hashes = self.block_hashes(seq)
         limit = (seq.num_tokens - 1) // self.block_size

@@ -1,0 +1,84 @@
+"""Incremental detokenization on hand-made token sequences (byte-level BPE and SentencePiece)."""
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from trtllm_lite.detokenizer import IncrementalDetokenizer
+from trtllm_lite.stop_strings import find_stop, held_back
+from trtllm_lite.tokenizer import Tokenizer
+
+
+def byte_level_tokenizer(tmp_path, extra_tokens):
+    """A byte-level BPE tokenizer: all 256 byte tokens plus the given multi-byte tokens."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = _bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    for t in extra_tokens:
+        vocab["".join(byte_chars[b] for b in t)] = len(vocab)
+    assert set(alphabet) <= set(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return Tokenizer(str(tmp_path)), vocab, byte_chars
+
+
+def _bytes_to_unicode():
+    # GPT-2's reversible byte -> printable character table
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def stream(tok, prompt, ids):
+    d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True)
+    return [d.step(t) for t in ids]
+
+
+@pytest.mark.parametrize("text,splits", [("😀", [2, 2]), ("😀", [1, 3]), ("中", [2, 1])])
+def test_split_multibyte_character_never_half_emitted(tmp_path, text, splits):
+    data = text.encode()
+    pieces, at = [], 0
+    for n in splits:
+        pieces.append(data[at:at + n])
+        at += n
+    tok, vocab, chars = byte_level_tokenizer(tmp_path, [p for p in pieces if len(p) > 1] + [b"Hi"])
+    ids = [vocab["".join(chars[b] for b in p)] for p in pieces]
+    deltas = stream(tok, [vocab["".join(chars[b] for b in b"Hi")]], ids)
+    assert deltas[:-1] == [""] * (len(ids) - 1)          # held until the character completes
+    assert "".join(deltas) == text
+    assert "\ufffd" not in "".join(deltas)
+
+
+def test_byte_level_keeps_leading_spaces_token_by_token(tmp_path):
+    tok, vocab, chars = byte_level_tokenizer(tmp_path, [b"Hello", b" world", b" foo"])
+    ids = [vocab["".join(chars[b] for b in w)] for w in (b"Hello", b" world", b" foo")]
+    assert stream(tok, [vocab[chars[ord("x")]]], ids) == ["Hello", " world", " foo"]
+
+
+def test_sentencepiece_keeps_leading_space_after_prompt(tmp_path):
+    vocab = {"<unk>": 0, "▁Say": 1, "▁Hello": 2, "▁world": 3, "▁foo": 4, ":": 5}
+    tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = Tokenizer(str(tmp_path))
+    deltas = stream(t, [1, 5], [2, 3, 4])
+    assert deltas == [" Hello", " world", " foo"]
+    full = t.decode([1, 5, 2, 3, 4])
+    assert full.endswith("".join(deltas))
+
+
+def test_stop_string_search_and_hold_back():
+    assert find_stop("abc STOP", 3, ["STOP"]) == (4, "STOP")
+    assert find_stop("abc ST", 2, ["STOP"]) is None
+    assert find_stop("xxENDyyEND", 3, ["END"]) == (7, "END")     # only newly completed ones
+    assert held_back("hello ST", ["STOP"]) == 2
+    assert held_back("hello S", ["STOP", "SO"]) == 1
+    assert held_back("hello", ["STOP"]) == 0

@@ -1,0 +1,101 @@
+"""Sampling rules on hand-made logits, against numpy written out by hand."""
+import numpy as np
+import pytest
+
+from trtllm_lite.sampler import Sampler, SamplingRow
+from trtllm_lite.sampling_params import SamplingParams
+
+
+def row(prompt=(), output=(), stop_ids=(), seed=None, **kw):
+    p = SamplingParams(seed=seed, **kw)
+    gen = np.random.default_rng(seed) if seed is not None else None
+    return SamplingRow(p, gen, list(prompt), list(output), tuple(stop_ids))
+
+
+def processed(logits, r):
+    return Sampler(0).process_logits(np.array([logits], np.float32), [r])[0]
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative_over_prompt_and_output():
+    x = processed([2.0, -2.0, 2.0, -2.0, 1.0], row(prompt=[0, 1], output=[2], repetition_penalty=2.0))
+    np.testing.assert_allclose(x, [1.0, -4.0, 1.0, -2.0, 1.0])   # token 3 unseen, 4 unseen
+
+
+def test_presence_and_frequency_count_output_tokens_only():
+    x = processed([1.0, 1.0, 1.0, 1.0], row(prompt=[0, 0, 3], output=[1, 1, 2],
+                                            presence_penalty=0.5, frequency_penalty=0.25))
+    np.testing.assert_allclose(x, [1.0, 1.0 - 0.5 - 0.5, 1.0 - 0.5 - 0.25, 1.0])
+
+
+def test_logit_bias_and_min_tokens_suppress_eos():
+    x = processed([0.0, 5.0, 1.0], row(output=[2], logit_bias={2: 10.0}, min_tokens=3, stop_ids=(1,)))
+    assert x[1] == -np.inf and x[2] == 11.0
+
+
+def test_greedy_variants_all_give_argmax_and_never_nan():
+    logits = np.array([[1.0, 3.0, 3.0, 0.5]] * 5, np.float32)   # tied maxima at 1 and 2
+    rows = [row(temperature=0.0), row(top_k=1, temperature=1.0, seed=1), row(top_p=1e-9, seed=2),
+            row(temperature=1e-6, seed=3), row(top_k=1, top_p=0.5, seed=4)]
+    for _ in range(20):
+        tokens, _ = Sampler(0)(logits, rows)
+        assert tokens.tolist() == [1] * 5
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+    seen_k, seen_p = set(), set()
+    sampler = Sampler(0)
+    for seed in range(300):
+        seen_k.add(int(sampler(logits, [row(top_k=2, seed=seed)])[0][0]))
+        seen_p.add(int(sampler(logits, [row(top_p=0.8, seed=seed)])[0][0]))
+    assert seen_k == {0, 1}
+    assert seen_p == {0, 1}          # 0.5 + 0.3 reaches 0.8
+    full = {int(sampler(logits, [row(top_p=1.0, seed=s)])[0][0]) for s in range(300)}
+    assert full == {0, 1, 2, 3}
+
+
+def test_min_p_drops_tokens_below_fraction_of_top():
+    logits = np.log(np.array([[0.6, 0.3, 0.08, 0.02]], np.float32))
+    seen = {int(Sampler(0)(logits, [row(min_p=0.2, seed=s)])[0][0]) for s in range(300)}
+    assert seen == {0, 1}            # 0.08 < 0.2 * 0.6
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    p = np.array([0.5, 0.3, 0.2])
+    logits = np.log(p).astype(np.float32)[None].repeat(4000, 0)
+    tokens, _ = Sampler(0)(logits, [row(temperature=1.0)] * 4000)
+    freq = np.bincount(tokens, minlength=3) / 4000
+    np.testing.assert_allclose(freq, p, atol=0.03)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 50)).astype(np.float32)
+    alone = Sampler(1)(logits[2:3], [row(seed=7)])[0][0]
+    mixed_rows = [row() for _ in range(6)]
+    mixed_rows[2] = row(seed=7)
+    mixed = Sampler(99)(logits, mixed_rows)[0][2]
+    assert alone == mixed
+
+
+def test_logprobs_are_of_the_sampled_distribution():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+    tokens, lps = Sampler(0)(logits, [row(top_k=2, temperature=1.0, logprobs=3, seed=0)])
+    lp = lps[0]
+    np.testing.assert_allclose(np.exp(lp.logprobs[:2]), [0.5 / 0.8, 0.3 / 0.8], rtol=1e-5)
+    assert lp.logprobs[2] == -np.inf                    # masked by top_k
+    assert lp.rank in (1, 2) and lp.token_ids[0] == 0
+    greedy_tokens, greedy_lps = Sampler(0)(logits, [row(temperature=0.0, logprobs=1)])
+    np.testing.assert_allclose(greedy_lps[0].logprob, np.log(0.5), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw,name", [(dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+                                     (dict(presence_penalty=3.0), "presence_penalty"),
+                                     (dict(frequency_penalty=-2.5), "frequency_penalty"),
+                                     (dict(n=0), "n"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+                                     (dict(stop=[""]), "stop"), (dict(logprobs=-1), "logprobs"),
+                                     (dict(logit_bias={1: 1000}), "logit_bias"), (dict(temperature=float("nan")), "temperature"),
+                                     (dict(stop_token_ids=[-3]), "stop_token_ids")])
+def test_out_of_range_values_name_the_parameter(kw, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kw)

@@ -1,0 +1,151 @@
+"""Chunked prefill, prefix caching and preemption on the real SmolLM2 engine: greedy ids
+never change, and the block invariants hold after every step."""
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from trtllm_lite import SamplingParams
+from trtllm_lite.core.kv_cache_manager import KVCacheManager
+from trtllm_lite.core.scheduler import Scheduler, SchedulerConfig
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def configure(smollm2_llm):
+    """Swap in a scheduler / KV manager with the given limits over the same runner."""
+    engine = smollm2_llm.engine
+    saved = engine.kv, engine.scheduler, engine.scheduler_config
+
+    def apply(num_blocks=512, enable_prefix_caching=False, **config):
+        cfg = SchedulerConfig(**{"max_num_seqs": 32, "max_seq_len": 1024,
+                                 "max_num_batched_tokens": 1024, **config})
+        engine.kv = KVCacheManager(num_blocks, engine.block_size, enable_prefix_caching)
+        engine.scheduler = Scheduler(cfg, engine.kv)
+        engine.scheduler_config = cfg
+        return engine
+
+    yield apply
+    engine.kv, engine.scheduler, engine.scheduler_config = saved
+
+
+def check_invariants(engine):
+    pool = engine.kv.pool
+    pool.check()
+    tables = [s.block_table for s in engine.scheduler.running + list(engine.scheduler.waiting)]
+    refs = Counter(b for t in tables for b in t)
+    for block, count in refs.items():
+        assert pool.ref_counts[block] == count, "ref count != table references"
+        if count > 1:
+            assert pool.block_hashes[block] is not None, "block in two tables but not prefix-shared"
+    assert pool.num_used == len(refs)
+
+
+def run(engine, prompts, params=GREEDY, arrive_at=None, salts=None):
+    """Add prompts at the given steps, step to the end checking invariants; return ids."""
+    arrive_at = arrive_at or [0] * len(prompts)
+    ids, out, step = {}, {}, 0
+    pending = sorted(range(len(prompts)), key=lambda i: arrive_at[i])
+    while pending or engine.has_unfinished_requests():
+        while pending and arrive_at[pending[0]] <= step:
+            i = pending.pop(0)
+            ids[engine.add_request(prompts[i], params, cache_salt=(salts or [None] * len(prompts))[i])] = i
+        for o in engine.step():
+            out.setdefault(ids[o.request_id], []).extend(o.outputs[0].token_ids)
+            if o.finished:
+                out[("cached", ids[o.request_id])] = o.num_cached_tokens
+        check_invariants(engine)
+        step += 1
+        assert step < 2000
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    return [out[i] for i in range(len(prompts))], [out[("cached", i)] for i in range(len(prompts))]
+
+
+def token_prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(200, 30000, n).tolist() for n in lengths]
+
+
+def test_chunked_prefill_never_changes_outputs(configure):
+    prompts = token_prompts([1, 17, 60, 150, 300, 33])
+    arrive = [0, 0, 2, 3, 3, 6]                     # long prompts arrive among running decodes
+    engine = configure(enable_chunked_prefill=False)
+    reference, _ = run(engine, prompts, arrive_at=arrive)
+    for budget in (13, 17, 31, 64):
+        engine = configure(max_num_batched_tokens=budget)
+        chunked, _ = run(engine, prompts, arrive_at=arrive)
+        assert chunked == reference, f"budget {budget}"
+
+
+def test_decodes_run_between_chunks(configure):
+    engine = configure(max_num_batched_tokens=32)
+    short, long_ = token_prompts([5, 200])
+    engine.add_request(short, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.add_request(long_, GREEDY)
+    for _ in range(4):
+        out = engine.scheduler.schedule()
+        assert len(out.batch.decode) == 1 and out.batch.prefill[0].num_new_tokens == 31
+        engine.runner.execute(out.batch)
+        for seq, item in zip(out.seqs, out.batch.decode + out.batch.prefill):
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.samples:
+                seq.token_ids.append(0)
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_prefix_caching_never_changes_outputs(configure):
+    b = 16
+    warm = token_prompts([100], seed=1)[0]
+    batch = [warm + token_prompts([20], seed=2)[0], token_prompts([70], seed=3)[0], warm]
+    edge = [token_prompts([k * b - 1], seed=4)[0], token_prompts([k * b], seed=5)[0],
+            token_prompts([k * b + 1], seed=6)[0]] if (k := 5) else []
+    twins = token_prompts([90], seed=7) * 2
+
+    engine = configure(enable_prefix_caching=False)
+    ref_batch, _ = run(engine, batch)
+    ref_edge, _ = run(engine, edge)
+    ref_twins, _ = run(engine, twins)
+
+    engine = configure(enable_prefix_caching=True)
+    run(engine, [warm])
+    got, cached = run(engine, batch)
+    assert got == ref_batch
+    assert cached[0] == 96 and cached[1] == 0 and cached[2] == 96   # warm prompt: last token recomputed
+    for twice in range(2):
+        got, cached = run(engine, edge)
+        assert got == ref_edge
+        if twice:
+            assert cached == [4 * b, 4 * b, 5 * b]
+    got, _ = run(engine, twins)
+    assert got == ref_twins
+    assert engine.stats()["prefix_hit_rate"] > 0.3
+
+
+def test_cache_salt_isolates_tenants(configure):
+    engine = configure(enable_prefix_caching=True)
+    prompt = token_prompts([64], seed=9)
+    _, cached_a = run(engine, prompt, salts=["tenant-a"])
+    _, cached_b = run(engine, prompt, salts=["tenant-b"])
+    _, cached_a2 = run(engine, prompt, salts=["tenant-a"])
+    assert cached_a == [0] and cached_b == [0] and cached_a2 == [48]
+
+
+def test_preemption_keeps_outputs_and_frees_everything(configure):
+    prompts = token_prompts([40, 35, 50, 45, 30, 42], seed=11)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine = configure(num_blocks=512)
+    reference, _ = run(engine, prompts, params)
+    engine = configure(num_blocks=16)     # 256 slots for six sequences of ~80 tokens
+    got, _ = run(engine, prompts, params)
+    assert got == reference
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_prompt_larger_than_pool_is_refused(configure):
+    engine = configure(num_blocks=4)
+    with pytest.raises(ValueError, match="whole pool"):
+        engine.add_request(token_prompts([60])[0], GREEDY)
