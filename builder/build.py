@@ -14,6 +14,7 @@ from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST
 
 from .export_onnx import export_graphs
 from .loaders import load_model
+from .quantize import QUANTIZATIONS, quantize_model
 
 BACKENDS = ("onnxruntime",)
 
@@ -24,6 +25,13 @@ class BuildConfig:
 
     ``max_num_batched_tokens``: tokens one step may compute (the token budget);
     ``max_seq_len``: prompt + output tokens of one sequence; ``block_size``: tokens per KV block.
+
+    Weight-only quantization (:mod:`builder.quantize`): ``quantization`` ``none`` / ``int8`` /
+    ``int4``; ``quant_block_size`` weights per scale; ``quant_symmetric`` (else an integer
+    zero point per block); ``quantize_lm_head`` (the lm_head / tied embedding stays float32
+    otherwise); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations;
+    4: int8 activations, faster, changes results; default 0 for int4 and 4 for int8, whose
+    only fast ONNX Runtime CPU kernel is int8; the runtime can override it).
     """
 
     backend: str = "onnxruntime"
@@ -32,6 +40,11 @@ class BuildConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_seq_len: int = 2048
+    quantization: str = "none"
+    quant_block_size: int = 32
+    quant_symmetric: bool = True
+    quantize_lm_head: bool = False
+    accuracy_level: int | None = None
 
     def validate(self, max_positions: int) -> None:
         if self.backend not in BACKENDS:
@@ -41,6 +54,14 @@ class BuildConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization!r}: choose from {QUANTIZATIONS}")
+        if self.quant_block_size < 16 or self.quant_block_size & (self.quant_block_size - 1):
+            raise ValueError(f"--quant-block-size must be a power of two >= 16, got {self.quant_block_size}")
+        if self.accuracy_level is None:
+            self.accuracy_level = 4 if self.quantization == "int8" else 0
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ValueError(f"--accuracy-level must be in 0..4, got {self.accuracy_level}")
         if self.max_seq_len > max_positions:
             raise ValueError(f"--max-seq-len {self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings ({max_positions})")
@@ -88,7 +109,9 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
          f"{cfg.num_heads}/{cfg.num_kv_heads} kv, {cfg.num_parameters / 1e6:.1f} M parameters "
          f"({time.time() - t0:.1f} s)")
     os.makedirs(output, exist_ok=True)
-    graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len)
+    quantized = quantize_model(loaded, bc.quantization, bc.quant_block_size, bc.quant_symmetric,
+                               bc.quantize_lm_head, log=_log)
+    graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len, quantized, bc.accuracy_level)
     _log(f"exported prefill and decode graphs ({len(graphs['decode'].graph.node)} nodes each)")
 
     def progress(done, total):
@@ -96,9 +119,13 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
             _log(f"writing weights {done}/{total}")
 
     weight_table = store.write(os.path.join(output, store.filename), progress)
+    variants = _accuracy_variants(graphs, bc.accuracy_level) if quantized else {}
     for kind, graph in graphs.items():
         onnx.save(graph, os.path.join(output, f"{kind}.onnx"))
         onnx.checker.check_model(os.path.join(output, f"{kind}.onnx"))
+    for level, files in variants.items():
+        for kind, file in files.items():
+            onnx.save(_set_accuracy_level(graphs[kind], level), os.path.join(output, file))
     tokenizer_files = loaded.tokenizer_saver(output) if loaded.tokenizer_saver else []
     _log(f"tokenizer files: {tokenizer_files or 'none (token-id prompts only)'}")
 
@@ -111,6 +138,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
                           "inputs": [i.name for i in g.graph.input],
                           "outputs": [o.name for o in g.graph.output]} for kind, g in graphs.items()},
         "weights": {"file": store.filename, "tensors": weight_table},
+        "quantization": {"method": bc.quantization, "weights": {n: q.source for n, q in quantized.items()}},
+        "graph_variants": {"accuracy_level": {str(k): v for k, v in variants.items()}},
         "tokenizer": {"files": tokenizer_files},
         "files": {},
         "versions": _versions(),
@@ -123,6 +152,27 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     _compile_check(output)
     _log(f"engine ready in {output} ({time.time() - t0:.1f} s)")
     return output
+
+
+ACCURACY_LEVELS = (0, 4)  # float32 activations; int8 activations
+
+
+def _accuracy_variants(graphs: dict, built_level: int) -> dict[int, dict[str, str]]:
+    """Graph files for the MatMulNBits accuracy levels other than the built one."""
+    return {level: {kind: f"{kind}.acc{level}.onnx" for kind in graphs}
+            for level in ACCURACY_LEVELS if level != built_level}
+
+
+def _set_accuracy_level(graph: onnx.ModelProto, level: int) -> onnx.ModelProto:
+    """A copy of ``graph`` whose MatMulNBits nodes have ``accuracy_level = level``."""
+    out = onnx.ModelProto()
+    out.CopyFrom(graph)
+    for node in out.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = level
+    return out
 
 
 def _compile_check(output: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from .build import BACKENDS, BuildConfig, build_engine
+from .quantize import QUANTIZATIONS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,12 +20,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per step (the token budget)")
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len,
                    help="prompt + output tokens per sequence")
+    p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
+                   help="weight-only quantization of the linear layers (GGUF Q4_0/Q4_1/Q8_0 "
+                        "blocks map exactly, others are block-quantized)")
+    p.add_argument("--quant-block-size", type=int, default=d.quant_block_size,
+                   help="weights per quantization block (power of two >= 16)")
+    p.add_argument("--quant-asymmetric", action="store_true",
+                   help="an integer zero point per block (default: symmetric)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="also quantize the lm_head / tied embedding (kept float32 otherwise)")
+    p.add_argument("--accuracy-level", type=int, default=None, choices=[0, 1, 2, 3, 4],
+                   help="MatMulNBits compute precision: 0 float32 activations, 4 int8 "
+                        "(default 0 for int4, 4 for int8)")
 
 
 def run(args: argparse.Namespace) -> int:
     config = BuildConfig(backend=args.backend, dtype=args.dtype, block_size=args.block_size,
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_seq_len=args.max_seq_len)
+                         max_seq_len=args.max_seq_len, quantization=args.quantization,
+                         quant_block_size=args.quant_block_size,
+                         quant_symmetric=not args.quant_asymmetric,
+                         quantize_lm_head=args.quantize_lm_head, accuracy_level=args.accuracy_level)
     build_engine(args.model, args.output, config)
     return 0

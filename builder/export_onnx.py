@@ -26,6 +26,9 @@ from onnx import TensorProto, helper
 from .model_config import ModelConfig
 from .onnx_graph import OPSET, NodeWriter, WeightStore
 from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function
+from .quantize import QuantizedLinear
+
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops (MatMulNBits)
 
 GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
                 "query_start_loc")
@@ -55,8 +58,10 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 class DecoderGraphWriter:
     """Writes one graph (prefill or decode) over the shared :class:`WeightStore`."""
 
-    def __init__(self, config: ModelConfig, weights: WeightStore, max_seq_len: int, kind: str):
+    def __init__(self, config: ModelConfig, weights: WeightStore, max_seq_len: int, kind: str,
+                 quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0):
         self.c, self.weights, self.kind = config, weights, kind
+        self.quantized, self.accuracy_level = quantized or {}, accuracy_level
         self.max_seq_len = max_seq_len
         self.w = NodeWriter()
         self.used: list[str] = []
@@ -72,12 +77,31 @@ class DecoderGraphWriter:
         return name in self.weights.arrays
 
     # -- building blocks ------------------------------------------------------------------
-    def linear(self, x: str, prefix: str) -> str:
-        """``x [T, in] @ W^T (+ b)`` with ``W [out, in]`` stored as the checkpoint keeps it."""
-        args = [x, self.weight(prefix + ".weight")]
-        if self.has(prefix + ".bias"):
-            args.append(self.weight(prefix + ".bias"))
-        return self.w.op("Gemm", *args, transB=1)
+    def linear(self, x: str, prefix: str, outputs: int | list[str] = 1) -> str:
+        """``x [T, in] @ W^T (+ b)`` with ``W [out, in]`` stored as the checkpoint keeps it.
+
+        A quantized weight becomes ``com.microsoft.MatMulNBits`` (see :mod:`builder.quantize`),
+        plus ``Gemm(blocksum(x), offsets, C=y)`` when its blocks carry float offsets (Q4_1).
+        """
+        name, q = prefix + ".weight", self.quantized.get(prefix + ".weight")
+        if q is None:
+            args = [x, self.weight(name)]
+            if self.has(prefix + ".bias"):
+                args.append(self.weight(prefix + ".bias"))
+            return self.w.op("Gemm", *args, transB=1, outputs=outputs)
+        bias = self.weight(prefix + ".bias") if self.has(prefix + ".bias") else ""
+        zp = self.weight(name + ".zero_points") if q.zero_points is not None else ""
+        args = [x, self.weight(name + ".qweight"), self.weight(name + ".scales"), zp, "", bias]
+        while not args[-1]:
+            args.pop()
+        attrs = dict(K=q.k, N=q.n, bits=q.bits, block_size=q.block_size, domain=MS_DOMAIN,
+                     accuracy_level=self.accuracy_level)
+        if q.offsets is None:
+            return self.w.op("MatMulNBits", *args, outputs=outputs, **attrs)
+        y = self.w.op("MatMulNBits", *args, **attrs)
+        blocks = self.w.op("Reshape", x, self.w.const([-1, q.num_blocks, q.block_size]))
+        sums = self.w.op("ReduceSum", blocks, self.w.const([-1]), keepdims=0)    # [T, blocks]
+        return self.w.op("Gemm", sums, self.weight(name + ".offsets"), y, transB=1, outputs=outputs)
 
     def norm(self, x: str, prefix: str) -> str:
         w, eps = self.w, self.c.norm_eps
@@ -142,7 +166,7 @@ class DecoderGraphWriter:
             x = w.op("Gather", x, "logits_indices", axis=0)
         lm_head = "embed.weight" if c.tie_word_embeddings else "lm_head.weight"
         h = self.norm(x, "final_norm")
-        w.op("Gemm", h, self.weight(lm_head), transB=1, outputs=["logits"])
+        self.linear(h, lm_head.removesuffix(".weight"), outputs=["logits"])
         return self._model()
 
     def _model(self) -> onnx.ModelProto:
@@ -166,9 +190,11 @@ class DecoderGraphWriter:
                    helper.make_tensor_value_info("new_values", f32, [c.num_layers, "num_tokens", *kv])]
         graph = helper.make_graph(self.w.nodes, self.kind, inputs, outputs,
                                   initializer=self.weights.initializer_protos(self.used))
-        model = helper.make_model(
-            graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
-            functions=[make_onnx_function()], producer_name="trtllm-lite")
+        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)]
+        if self.quantized:
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        model = helper.make_model(graph, opset_imports=opsets, functions=[make_onnx_function()],
+                                  producer_name="trtllm-lite")
         model.ir_version = 10
         return model
 
@@ -182,7 +208,8 @@ def add_rope_tables(config: ModelConfig, weights: WeightStore, max_seq_len: int)
     weights.add("rope.sin", np.sin(angles).astype(np.float32))
 
 
-def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_len: int
+def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_len: int,
+                  quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0
                   ) -> tuple[dict[str, onnx.ModelProto], WeightStore]:
     """Build the prefill and decode graphs over one weight store.
 
@@ -190,16 +217,26 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
         config: the model.
         weights: canonical float32 weights (see :mod:`builder.loaders`).
         max_seq_len: longest sequence (prompt + output) the engine serves, tokens.
+        quantized: canonical linear weight name -> its MatMulNBits form (replaces the float
+            weight, except ``embed.weight``, whose float table the embedding Gather keeps).
+        accuracy_level: MatMulNBits ``accuracy_level`` attribute (0/1: float32 arithmetic;
+            4: int8 activations).
     Returns:
         ``({"prefill": model, "decode": model}, store)``; write the store with ``store.write``.
     """
+    quantized = quantized or {}
     store = WeightStore()
     for name, arr in weights.items():
-        store.add(name, arr.astype(np.float32, copy=False))
+        if name not in quantized or name == "embed.weight":
+            store.add(name, arr.astype(np.float32, copy=False))
+    for name, q in quantized.items():
+        for part in ("qweight", "scales", "zero_points", "offsets"):
+            if getattr(q, part) is not None:
+                store.add(f"{name}.{part}", getattr(q, part))
     add_rope_tables(config, store, max_seq_len)
     if config.family == "gpt2" and max_seq_len > config.max_position_embeddings:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds GPT-2's learned positions "
                          f"({config.max_position_embeddings})")
-    graphs = {kind: DecoderGraphWriter(config, store, max_seq_len, kind).build()
+    graphs = {kind: DecoderGraphWriter(config, store, max_seq_len, kind, quantized, accuracy_level).build()
               for kind in ("prefill", "decode")}
     return graphs, store

@@ -312,7 +312,39 @@ def load_gguf(path: str) -> LoadedModel:
         w[p + "gate_up.weight"] = np.concatenate([t(b + "ffn_gate.weight"), t(b + "ffn_up.weight")])
         w[p + "down.weight"] = t(b + "ffn_down.weight")
     return LoadedModel(config, w, path, "gguf", tokenizer_saver=lambda out: _save_gguf_tokenizer(path, out),
-                       extra={"gguf_tensor_types": {x.name: x.tensor_type.name for x in reader.tensors}})
+                       extra={"gguf_tensor_types": {x.name: x.tensor_type.name for x in reader.tensors},
+                              "gguf_raw": _gguf_raw_linears(reader, config, permute)})
+
+
+def _gguf_raw_linears(reader, config: ModelConfig, permute: bool) -> dict[str, tuple[str, np.ndarray]]:
+    """The quantized linear weights as stored, under canonical names (see module docstring).
+
+    Returns ``name -> (tensor type, bytes [out_features, bytes_per_row] uint8)`` for every
+    canonical linear weight (and ``embed.weight``) whose GGUF parts all share one quantized
+    type; rows are permuted and concatenated exactly as the float weights are, so
+    :func:`builder.quantize.from_gguf` maps them onto MatMulNBits without requantizing.
+    """
+    tensors = {t.name: t for t in reader.tensors}
+    parts = {"embed.weight": ["token_embd.weight"]}
+    if not config.tie_word_embeddings:
+        parts["lm_head.weight"] = ["output.weight"]
+    for i in range(config.num_layers):
+        b, p = f"blk.{i}.", f"layers.{i}."
+        parts[p + "qkv.weight"] = [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]
+        parts[p + "o.weight"] = [b + "attn_output.weight"]
+        parts[p + "gate_up.weight"] = [b + "ffn_gate.weight", b + "ffn_up.weight"]
+        parts[p + "down.weight"] = [b + "ffn_down.weight"]
+    raw = {}
+    for name, names in parts.items():
+        types = {tensors[n].tensor_type.name for n in names if n in tensors}
+        if len(types) != 1 or len(names) != sum(n in tensors for n in names) or types & {"F32", "F16"}:
+            continue
+        arrays = [np.asarray(tensors[n].data) for n in names]
+        if permute and name.endswith("qkv.weight"):
+            arrays[0] = _unpermute_rope(arrays[0], config.num_heads)
+            arrays[1] = _unpermute_rope(arrays[1], config.num_kv_heads)
+        raw[name] = (types.pop(), np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
+    return raw
 
 
 def _save_gguf_tokenizer(path: str, out: str) -> list[str]:

@@ -1,0 +1,233 @@
+"""Weight-only block quantization onto ONNX Runtime's ``com.microsoft.MatMulNBits``.
+
+``MatMulNBits`` (ONNX Runtime contrib op, version 1) computes ``Y = A @ dequant(B)^T``
+with B block-quantized along K::
+
+    A            [M, K]                            float32
+    B            [N, ceil(K / bs), bs * bits / 8]  uint8, codes packed low bits first along K
+    scales       [N, ceil(K / bs)]                 float32
+    zero_points  [N * ceil(ceil(K / bs) * bits / 8)] uint8, packed the same way (optional;
+                                                   absent means 2 ** (bits - 1))
+    dequant(B)[n, k] = (code[n, k] - zero_point[n, k // bs]) * scale[n, k // bs]
+
+A :class:`QuantizedLinear` holds those tensors for one ``[N, K]`` linear weight, plus
+optional per-block ``offsets`` ``[N, ceil(K / bs)]`` float32 that the exporter adds as
+``blocksum(A) @ offsets^T`` (one small GEMM): GGUF's Q4_1 stores ``w = d * q + m`` with a
+float ``m`` per block, which no integer zero point expresses. With ``offsets = m``,
+``scales = d`` and zero points 0 every number the GGUF stores is kept bit for bit: no
+dequantize-then-requantize. (A float ``zero_points`` input ``-m / d`` would express it too,
+but ONNX Runtime 1.32's CPU kernel then dequantizes the whole B to float32 on every call.)
+
+GGUF block layouts (llama.cpp ``ggml-common.h``; 32 weights per block, little-endian)::
+
+    Q4_0  18 bytes: d fp16, qs[16]            w[j] = d * (q[j] - 8)
+    Q4_1  20 bytes: d fp16, m fp16, qs[16]    w[j] = d * q[j] + m
+    Q8_0  34 bytes: d fp16, qs int8[32]       w[j] = d * qs[j]
+    with 4-bit codes q[j] = qs[j] & 15 and q[j + 16] = qs[j] >> 4 for j < 16.
+
+From float weights (:func:`quantize_weight`): symmetric blocks use the signed value of
+largest magnitude ``v`` and ``scale = v / -2 ** (bits - 1)`` (llama.cpp's Q4_0 rule), so
+the full code range is used; asymmetric blocks map ``[min(w, 0), max(w, 0)]`` onto
+``[0, 2 ** bits - 1]`` with an integer zero point.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+QUANTIZATIONS = ("none", "int8", "int4")
+BITS = {"int8": 8, "int4": 4}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GGUF_BLOCK = 32
+
+
+@dataclass
+class QuantizedLinear:
+    """One ``[N, K]`` linear weight in MatMulNBits form (shapes in the module docstring).
+
+    ``source`` says where the codes came from: ``"gguf:Q4_1"`` (exact) or ``"float"``.
+    """
+
+    n: int
+    k: int
+    bits: int
+    block_size: int
+    qweight: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None = None
+    offsets: np.ndarray | None = None
+    source: str = "float"
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.k // self.block_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read per use (codes, scales, zero points, offsets)."""
+        return sum(int(a.nbytes) for a in (self.qweight, self.scales, self.zero_points, self.offsets)
+                   if a is not None)
+
+    def codes(self) -> np.ndarray:
+        """Unpacked codes ``[N, num_blocks * block_size]`` uint8."""
+        return unpack_codes(self.qweight, self.bits).reshape(self.n, -1)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 ``[N, K]`` weight this stands for (float64 arithmetic, then rounded)."""
+        nb, bs = self.num_blocks, self.block_size
+        q = self.codes().reshape(self.n, nb, bs).astype(np.float64)
+        if self.zero_points is None:
+            zp = np.full((self.n, nb), 2 ** (self.bits - 1), np.float64)
+        else:
+            per_row = -(-nb * self.bits // 8)
+            zp = unpack_codes(self.zero_points.reshape(self.n, per_row), self.bits)[:, :nb].astype(np.float64)
+        w = (q - zp[..., None]) * self.scales.astype(np.float64)[..., None]
+        if self.offsets is not None:
+            w += self.offsets.astype(np.float64)[..., None]
+        return w.reshape(self.n, nb * bs)[:, :self.k].astype(np.float32)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack uint8 codes ``[..., L]`` (values < 2 ** bits) into bytes, low bits first.
+
+    4-bit: byte ``i`` holds ``codes[2i] | codes[2i + 1] << 4`` (``L`` is padded to even).
+    """
+    codes = codes.astype(np.uint8, copy=False)
+    if bits == 8:
+        return codes
+    if bits != 4:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if codes.shape[-1] % 2:
+        codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_codes`: ``[..., B]`` bytes -> ``[..., B * 8 / bits]`` codes."""
+    if bits == 8:
+        return packed
+    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), np.uint8)
+    out[..., 0::2] = packed & 15
+    out[..., 1::2] = packed >> 4
+    return out
+
+
+def quantize_weight(w: np.ndarray, bits: int, block_size: int = 32, symmetric: bool = True
+                    ) -> QuantizedLinear:
+    """Block-quantize a float ``[N, K]`` weight for MatMulNBits (rules in the module docstring).
+
+    Raises:
+        ValueError: ``bits`` not 4/8, or ``block_size`` not a power of two >= 16.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    n, k = w.shape
+    nb = -(-k // block_size)
+    blocks = np.zeros((n, nb * block_size), np.float32)
+    blocks[:, :k] = w
+    blocks = blocks.reshape(n, nb, block_size)
+    top = 2 ** bits - 1
+    if symmetric:
+        half = 2 ** (bits - 1)
+        idx = np.abs(blocks).argmax(axis=-1)[..., None]
+        scales = np.take_along_axis(blocks, idx, axis=-1)[..., 0] / -half
+        inv = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales != 0)
+        codes = np.clip(np.rint(blocks * inv[..., None]) + half, 0, top).astype(np.uint8)
+        zero_points = None
+    else:
+        lo, hi = np.minimum(blocks.min(axis=-1), 0), np.maximum(blocks.max(axis=-1), 0)
+        scales = (hi - lo) / top
+        inv = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales != 0)
+        zp = np.clip(np.rint(-lo * inv), 0, top).astype(np.uint8)
+        codes = np.clip(np.rint(blocks * inv[..., None]) + zp[..., None], 0, top).astype(np.uint8)
+        zero_points = pack_codes(zp, bits).reshape(-1)
+    return QuantizedLinear(n, k, bits, block_size, pack_codes(codes, bits),
+                           scales.astype(np.float32), zero_points)
+
+
+def _f16(raw: np.ndarray, start: int) -> np.ndarray:
+    return raw[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _gguf_nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF 4-bit block codes ``[..., 16]`` bytes -> ``[..., 32]`` codes in weight order."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def from_gguf(tensor_type: str, raw: np.ndarray, k: int) -> QuantizedLinear:
+    """Map a GGUF quantized weight exactly onto MatMulNBits (block size 32).
+
+    Args:
+        tensor_type: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``.
+        raw: the tensor's bytes ``[N, K / 32 * block_bytes]`` uint8 (rows = output features).
+        k: in-features (a multiple of 32).
+    Raises:
+        ValueError: another tensor type, or a shape that does not match it.
+    """
+    if tensor_type not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"GGUF tensor type {tensor_type} has no exact MatMulNBits mapping; "
+                         f"supported: {sorted(GGUF_BLOCK_BYTES)}")
+    n, nb = raw.shape[0], k // GGUF_BLOCK
+    if k % GGUF_BLOCK or raw.shape[1] != nb * GGUF_BLOCK_BYTES[tensor_type]:
+        raise ValueError(f"{tensor_type} tensor of {raw.shape[1]} bytes per row does not hold K={k}")
+    blocks = raw.reshape(n, nb, GGUF_BLOCK_BYTES[tensor_type])
+    if tensor_type == "Q8_0":
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return QuantizedLinear(n, k, 8, GGUF_BLOCK, codes, _f16(blocks, 0), source="gguf:Q8_0")
+    if tensor_type == "Q4_0":
+        codes = _gguf_nibbles(blocks[..., 2:])
+        return QuantizedLinear(n, k, 4, GGUF_BLOCK, pack_codes(codes, 4), _f16(blocks, 0),
+                               source="gguf:Q4_0")
+    codes = _gguf_nibbles(blocks[..., 4:])
+    zero_points = np.zeros(n * -(-nb // 2), np.uint8)
+    return QuantizedLinear(n, k, 4, GGUF_BLOCK, pack_codes(codes, 4), _f16(blocks, 0),
+                           zero_points, _f16(blocks, 2), source="gguf:Q4_1")
+
+
+def linear_weight_names(config, include_lm_head: bool) -> list[str]:
+    """Canonical names of the weights a linear layer (GEMM) reads; ``embed.weight`` stands
+    for a tied lm_head."""
+    per_layer = ("qkv", "o", "up", "down") if config.family == "gpt2" else ("qkv", "o", "gate_up", "down")
+    names = [f"layers.{i}.{x}.weight" for i in range(config.num_layers) for x in per_layer]
+    if include_lm_head:
+        names.append("embed.weight" if config.tie_word_embeddings else "lm_head.weight")
+    return names
+
+
+def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: bool = True,
+                   quantize_lm_head: bool = False, log=None) -> dict[str, QuantizedLinear]:
+    """Choose and quantize the linear weights of a :class:`~builder.loaders.LoadedModel`.
+
+    A weight the GGUF stores in a type of the requested width (Q4_0/Q4_1 for ``int4``,
+    Q8_0 for ``int8``) is mapped exactly (:func:`from_gguf`, block size 32); any other is
+    block-quantized from its float values (:func:`quantize_weight`). The lm_head (tied
+    embedding or not) stays float32 unless ``quantize_lm_head``.
+
+    Returns:
+        canonical weight name -> :class:`QuantizedLinear` (empty for ``"none"``).
+    Raises:
+        ValueError: unknown ``quantization``, or a bad ``block_size``.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization!r}: choose from {QUANTIZATIONS}")
+    if quantization == "none":
+        return {}
+    bits = BITS[quantization]
+    raw = loaded.extra.get("gguf_raw", {})
+    exact = {4: ("Q4_0", "Q4_1"), 8: ("Q8_0",)}[bits]
+    out, counts = {}, {}
+    for name in linear_weight_names(loaded.config, quantize_lm_head):
+        kind, data = raw.get(name, (None, None))
+        w = loaded.weights[name]
+        if kind in exact and block_size == GGUF_BLOCK:
+            out[name] = from_gguf(kind, data, w.shape[1])
+        else:
+            out[name] = quantize_weight(w, bits, block_size, symmetric)
+        counts[out[name].source] = counts.get(out[name].source, 0) + 1
+    if log:
+        log(f"quantized {len(out)} linear weights to {quantization} ("
+            + ", ".join(f"{n} from {s}" for s, n in sorted(counts.items())) + ")")
+    return out

@@ -1,0 +1,205 @@
+"""Weight-only quantization: exact GGUF block mapping, the MatMulNBits layout ONNX Runtime
+reads, and quantized engines against float references (the fp32 engine, HF transformers)."""
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from onnx import TensorProto, helper
+
+from builder.build import BuildConfig
+from builder.export_onnx import DecoderGraphWriter
+from builder.loaders import load_model
+from builder.model_config import ModelConfig
+from builder.onnx_graph import OPSET, WeightStore
+from builder.quantize import from_gguf, quantize_model, quantize_weight
+from trtllm_lite import LLM, SamplingParams
+from trtllm_lite.runners.base import ScheduledSeq, StepBatch
+
+from .conftest import SMOLLM2, build
+
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def random_weight(n=48, k=96, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+
+
+def gguf_block(kind, w):
+    gtype = GGMLQuantizationType[kind]
+    raw = gguf_quantize(w, gtype)
+    return raw, gguf_dequantize(raw, gtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+def test_gguf_blocks_map_bit_exactly(kind):
+    raw, reference = gguf_block(kind, random_weight())
+    q = from_gguf(kind, raw, 96)
+    assert q.block_size == 32 and q.bits == (8 if kind == "Q8_0" else 4)
+    np.testing.assert_array_equal(q.dequantize(), reference)
+
+
+def test_gguf_type_without_exact_mapping_is_refused():
+    with pytest.raises(ValueError, match="Q5_K"):
+        from_gguf("Q5_K", np.zeros((2, 176), np.uint8), 256)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_block_quantization_error_within_one_step(bits, symmetric):
+    w = random_weight(k=100)  # K not a multiple of the block: the last block is padded
+    q = quantize_weight(w, bits, 32, symmetric)
+    step = np.repeat(np.abs(q.scales), 32, axis=1)[:, :100]
+    err = np.abs(q.dequantize() - w)
+    assert (err <= step * (1.0 if symmetric else 0.5) + 1e-6).all()   # symmetric: +2^(b-1) clips
+
+
+def run_linear(q, x, accuracy_level=0):
+    """Run the exporter's own ``linear`` for ``q`` through ONNX Runtime (prepacking on, as
+    the runner sets it for quantized engines)."""
+    config = ModelConfig("LlamaForCausalLM", "llama", 1, q.k, 1, 1, q.k, 1, 1, 1)
+    store = WeightStore()
+    for part in ("qweight", "scales", "zero_points", "offsets"):
+        if getattr(q, part) is not None:
+            store.add(f"x.weight.{part}", getattr(q, part))
+    writer = DecoderGraphWriter(config, store, 1, "decode", {"x.weight": q}, accuracy_level)
+    writer.linear("a", "x", outputs=["y"])
+    inits = [helper.make_tensor(n, {np.uint8: TensorProto.UINT8, np.float32: TensorProto.FLOAT}[
+        store.arrays[n].dtype.type], store.arrays[n].shape, store.arrays[n].tobytes(), raw=True)
+        for n in writer.used]
+    graph = helper.make_graph(writer.w.nodes, "linear",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["T", q.k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", q.n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"a": x})[0]
+
+
+CASES = [("gguf", "Q4_0"), ("gguf", "Q4_1"), ("gguf", "Q8_0"),
+         (4, 16, True), (4, 32, False), (4, 64, True), (4, 128, False), (8, 32, True), (8, 64, False)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_matmul_nbits_computes_the_dequantized_weight(case):
+    """ONNX Runtime's kernel reads our packing as we mean it: y == x @ dequant(W)^T."""
+    if case[0] == "gguf":
+        q = from_gguf(case[1], gguf_block(case[1], random_weight(k=128))[0], 128)
+    else:
+        q = quantize_weight(random_weight(k=100), case[0], case[1], case[2])
+    x = np.random.default_rng(3).standard_normal((5, q.k)).astype(np.float32)
+    expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    np.testing.assert_allclose(run_linear(q, x), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_build_options_are_validated():
+    for bad, name in ((dict(quantization="int3"), "--quantization"),
+                      (dict(quantization="int4", quant_block_size=24), "--quant-block-size"),
+                      (dict(quantization="int4", accuracy_level=7), "--accuracy-level")):
+        with pytest.raises(ValueError, match=name):
+            BuildConfig(**bad).validate(4096)
+
+
+# -- tiny engines quantized from float weights, against HF on the dequantized weights ------
+
+def dequantized_hf(hf, hf_dir, quantization, block_size, symmetric):
+    """A copy of ``hf`` whose linear weights are the quantized ones, dequantized."""
+    import copy
+
+    loaded = load_model(hf_dir)
+    quantized = quantize_model(loaded, quantization, block_size, symmetric)
+    c, model = loaded.config, copy.deepcopy(hf)
+    for i, layer in enumerate(model.model.layers):
+        qkv = quantized[f"layers.{i}.qkv.weight"].dequantize()
+        q, k, v = np.split(qkv, [c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim])
+        gate, up = np.split(quantized[f"layers.{i}.gate_up.weight"].dequantize(), 2)
+        for param, value in ((layer.self_attn.q_proj, q), (layer.self_attn.k_proj, k),
+                             (layer.self_attn.v_proj, v), (layer.mlp.gate_proj, gate), (layer.mlp.up_proj, up),
+                             (layer.self_attn.o_proj, quantized[f"layers.{i}.o.weight"].dequantize()),
+                             (layer.mlp.down_proj, quantized[f"layers.{i}.down.weight"].dequantize())):
+            param.weight.data = torch.from_numpy(value.copy())
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind,quantization,block_size,symmetric", [
+    ("llama-gqa", "int4", 32, True), ("llama-gqa", "int8", 64, False), ("qwen2-bias", "int4", 16, False)])
+def test_tiny_quantized_engine_matches_hf_on_dequantized_weights(tiny_model, tmp_path, kind, quantization,
+                                                                 block_size, symmetric):
+    hf, float_engine = tiny_model(kind)
+    hf_dir = float_engine.replace("engine", "hf")
+    engine = build(hf_dir, str(tmp_path / "engine"), max_seq_len=256, max_num_batched_tokens=256,
+                   max_num_seqs=16, block_size=4, quantization=quantization, quant_block_size=block_size,
+                   quant_symmetric=symmetric, accuracy_level=0)   # float32 activations: exact
+    reference = dequantized_hf(hf, hf_dir, quantization, block_size, symmetric)
+    llm = LLM(engine, num_kv_blocks=64, verify_checksums=False, num_threads=1)
+    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30)]
+    seqs = [ScheduledSeq(p, list(range(8 * i, 8 * i + 8)), 0, len(p)) for i, p in enumerate(prompts)]
+    logits = llm.engine.runner.execute(StepBatch(prefill=seqs))
+    for row, p in zip(logits, prompts):
+        with torch.no_grad():
+            ref = reference(torch.tensor([p])).logits[0, -1].numpy()
+        np.testing.assert_allclose(row, ref, atol=1e-4, rtol=1e-4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = reference.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
+# -- SmolLM2 int4 straight from the GGUF's Q4_1 blocks, against the fp32 engine -----------
+
+@pytest.fixture(scope="module")
+def smollm2_int4_engine(tmp_path_factory):
+    return build(SMOLLM2, str(tmp_path_factory.mktemp("engines") / "smollm2-int4"), max_seq_len=1024,
+                 max_num_batched_tokens=1024, max_num_seqs=32, quantization="int4")
+
+
+@pytest.mark.slow
+def test_smollm2_int4_maps_every_q4_1_block(smollm2_int4_engine):
+    from trtllm_lite.engine_dir import load_engine_dir
+
+    m = load_engine_dir(smollm2_int4_engine).manifest
+    assert set(m["quantization"]["weights"].values()) == {"gguf:Q4_1"}
+    assert len(m["quantization"]["weights"]) == 120   # 210 Q4_1 tensors, q/k/v and gate/up fused
+    assert m["build"]["quantization"] == "int4" and m["build"]["accuracy_level"] == 0
+    linear_bytes = sum(t["nbytes"] for n, t in m["weights"]["tensors"].items() if n.startswith("layers."))
+    assert linear_bytes < 0.22 * 4 * 106e6          # ~6.6 bits per weight (codes, d, m, zero points)
+
+
+@pytest.mark.slow
+def test_smollm2_int4_matches_fp32_engine(smollm2_int4_engine, smollm2_engine):
+    int4 = LLM(smollm2_int4_engine, num_kv_blocks=256, verify_checksums=False, enable_prefix_caching=False)
+    fp32 = LLM(smollm2_engine, num_kv_blocks=256, verify_checksums=False, enable_prefix_caching=False)
+    tok = fp32.tokenizer
+    prompt = tok.encode("The history of the Roman Empire begins with the founding of the city")
+    seq = ScheduledSeq(prompt, list(range(4)), 0, len(prompt), num_logits=len(prompt))
+    a = int4.engine.runner.execute(StepBatch(prefill=[seq]))
+    b = fp32.engine.runner.execute(StepBatch(prefill=[ScheduledSeq(prompt, list(range(4)), 0, len(prompt),
+                                                                    num_logits=len(prompt))]))
+    rel = np.abs(a - b).max(axis=-1) / np.abs(b).max(axis=-1)
+    assert rel.max() < 1e-3
+    chat = tok.encode(tok.apply_chat_template(CAPITAL), add_special_tokens=False)
+    prompts = [chat] + [tok.encode(p) for p in ("The history of the Roman Empire", "def fibonacci(n):",
+                                                 "Water boils at")]
+    got = [o.outputs[0].token_ids for o in int4.generate(prompts, GREEDY)]
+    assert got == [o.outputs[0].token_ids for o in fp32.generate(prompts, GREEDY)]
+    answer = int4.chat(CAPITAL, SamplingParams(max_tokens=32, temperature=0))[0].outputs[0].text
+    assert "Paris" in answer
+
+
+@pytest.mark.slow
+def test_accuracy_level_picks_a_built_variant(smollm2_int4_engine, smollm2_engine):
+    from trtllm_lite.engine_dir import load_engine_dir
+    from trtllm_lite.runners.onnxruntime_runner import graph_files
+
+    assert graph_files(load_engine_dir(smollm2_int4_engine, verify_checksums=False), 4) == {
+        "prefill": "prefill.acc4.onnx", "decode": "decode.acc4.onnx"}
+    with pytest.raises(ValueError, match="accuracy_level 4.*not quantized"):
+        graph_files(load_engine_dir(smollm2_engine, verify_checksums=False), 4)
