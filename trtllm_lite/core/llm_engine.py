@@ -16,6 +16,7 @@ from ..tokenizer import Tokenizer
 from .kv_cache_manager import KVCacheManager
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, SequenceStatus
+from ..spec_decode.config import SpeculativeConfig
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
@@ -36,6 +37,8 @@ class LLMEngine:
         num_threads: backend threads (default: all cores).
         seed: seed of the generator unseeded sampled requests draw from.
         verify_checksums: check every engine file's sha256 on load.
+        speculative_config: speculative decoding (see :class:`SpeculativeConfig`), e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4}``; None turns it off.
 
     Raises:
         EngineError: the engine directory is missing, of another format, or corrupted.
@@ -47,7 +50,8 @@ class LLMEngine:
                  kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  max_waiting: int = 1 << 20, num_threads: int | None = None,
-                 seed: int | None = None, verify_checksums: bool = True):
+                 seed: int | None = None, verify_checksums: bool = True,
+                 speculative_config: "SpeculativeConfig | dict | None" = None):
         self.engine = load_engine_dir(engine_dir, verify_checksums=verify_checksums)
         build, model = self.engine.build, self.engine.model
         self.model_config = model
@@ -83,6 +87,9 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.sampler = Sampler(seed)
+        self.spec_config = SpeculativeConfig.from_any(speculative_config)
+        self.proposer = self._make_proposer(num_kv_blocks, num_threads)
+        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -95,6 +102,20 @@ class LLMEngine:
 
             return OnnxRuntimeRunner(self.engine, num_kv_blocks, num_threads)
         raise ValueError(f"engine backend {backend!r} has no runner in this runtime")
+
+    def _make_proposer(self, num_kv_blocks: int, num_threads: int | None):
+        c = self.spec_config
+        if c is None:
+            return None
+        if c.method == "ngram":
+            from ..spec_decode.ngram_proposer import NgramProposer
+
+            return NgramProposer(c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max)
+        from ..spec_decode.draft_proposer import DraftModelProposer
+
+        return DraftModelProposer(c.draft_engine, c.num_speculative_tokens,
+                                  c.draft_num_kv_blocks or num_kv_blocks, self.model_config["vocab_size"],
+                                  num_threads)
 
     # -- requests -------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -191,6 +212,8 @@ class LLMEngine:
             return None
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
+            if self.proposer is not None:
+                self.proposer.release(seq)
         return self._request_output(request, [(s, self._completion(s, [], "", [])) for s in request.seqs])
 
     def has_unfinished_requests(self) -> bool:
@@ -199,7 +222,9 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return one delta :class:`RequestOutput` per request that produced
-        a token or finished (``outputs`` holds the sequences that changed)."""
+        tokens or finished (``outputs`` holds the sequences that changed)."""
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
@@ -211,31 +236,107 @@ class LLMEngine:
         logits = self.runner.execute(sched.batch)
         self.num_steps += 1
         now = time.monotonic()
-        to_sample: list[tuple[Sequence, int]] = []        # (sequence, logits row)
+        to_verify: list[tuple[Sequence, list[int], list[int]]] = []   # (seq, logits rows, drafts)
         row = 0
         for seq, item in zip(sched.seqs, items):
             first_row, row = row, row + item.num_logits
             if self._wants_prompt_logprobs(seq):
                 self._add_prompt_logprobs(seq, item.start, logits[first_row:row])
-            seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(seq)
+            drafts = seq.spec_token_ids
+            seq.spec_token_ids = []
+            # draft tokens' K/V count as computed only once accepted
+            seq.num_computed_tokens += item.num_new_tokens - len(drafts)
+            if not drafts:
+                self.kv.cache_full_blocks(seq)
             if item.samples:
-                to_sample.append((seq, row - 1))
+                to_verify.append((seq, list(range(row - 1 - len(drafts), row)), drafts))
                 request = seq.request
                 if seq.index == 0 and len(request.seqs) < request.params.n:
-                    to_sample += [(child, row - 1) for child in self._fork(seq)]
-        if not to_sample:
+                    to_verify += [(child, [row - 1], []) for child in self._fork(seq)]
+        if not to_verify:
             return []
-        seqs = [s for s, _ in to_sample]
-        rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids,
-                            () if s.num_output_tokens >= s.params.min_tokens else self._stop_ids(s.params))
-                for s in seqs]
-        tokens, lps = self.sampler(logits[[r for _, r in to_sample]], rows)
+        changed = self._sample_and_verify(logits, to_verify, now)
         by_request: dict[str, list] = {}
-        for seq, token, lp in zip(seqs, tokens.tolist(), lps):
-            by_request.setdefault(seq.request_id, []).append((seq, self._append_token(seq, token, lp, now)))
-        self.num_generated_tokens += len(seqs)
-        return [self._request_output(self._request_of(group[0][0]), group) for group in by_request.values()]
+        for seq, completion in changed.items():
+            by_request.setdefault(seq.request_id, []).append((seq, completion))
+        return [self._request_output(group[0][0].request, group) for group in by_request.values()]
+
+    def _sample_and_verify(self, logits: np.ndarray, to_verify, now: float) -> dict:
+        """Sample every sequence's next token; for sequences with draft tokens, walk the
+        drafts position by position and stop at the first the target does not sample.
+
+        Proposals are deterministic (n-gram lookup, a draft model's argmax): the proposal
+        distribution q is a point mass on draft x, and the rejection rule of Leviathan et al.
+        2023 / Chen et al. 2023 (accept x with probability min(1, p(x)/q(x)) = p(x); on
+        rejection sample from (p - q)+, i.e. p without x) is exactly "draw y ~ p with the
+        request's generator; accept iff y == x, else emit y". One uniform per emitted token,
+        as in plain decoding, so seeded outputs are identical with speculation on or off.
+        """
+        changed: dict[Sequence, CompletionOutput] = {}
+        active, position = to_verify, 0
+        while active:
+            seqs = [s for s, _, _ in active]
+            rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids,
+                                () if s.num_output_tokens >= s.params.min_tokens else self._stop_ids(s.params))
+                    for s in seqs]
+            tokens, lps = self.sampler(logits[[r[position] for _, r, _ in active]], rows)
+            still = []
+            for (seq, rows_, drafts), token, lp in zip(active, tokens.tolist(), lps):
+                self._merge(changed, seq, self._append_token(seq, token, lp, now))
+                accepted = position < len(drafts) and token == drafts[position] and not seq.is_finished
+                if accepted:
+                    seq.num_computed_tokens += 1
+                    still.append((seq, rows_, drafts))
+                elif drafts:
+                    self._end_verification(seq, drafts, position)
+            active, position = still, position + 1
+        self.num_generated_tokens += sum(len(c.token_ids) for c in changed.values())
+        return changed
+
+    def _end_verification(self, seq: Sequence, drafts: list[int], num_accepted: int) -> None:
+        """Roll back the rejected drafts' KV (trim the block table) and record the outcome."""
+        st = self.spec_stats
+        st["num_drafts"] += 1
+        st["num_draft_tokens"] += len(drafts)
+        st["num_accepted_tokens"] += num_accepted
+        seq.spec_acceptance = 0.5 * seq.spec_acceptance + 0.5 * num_accepted / len(drafts)
+        if not seq.is_finished:
+            keep = -(-seq.num_computed_tokens // self.block_size)
+            if len(seq.block_table) > keep:
+                self.kv.pool.free(seq.block_table[keep:])
+                del seq.block_table[keep:]
+            self.kv.cache_full_blocks(seq)
+
+    @staticmethod
+    def _merge(changed: dict, seq: Sequence, c: CompletionOutput) -> None:
+        prev = changed.get(seq)
+        if prev is None:
+            changed[seq] = c
+            return
+        prev.text += c.text
+        prev.token_ids += c.token_ids
+        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+        if prev.logprobs is not None:
+            prev.logprobs += c.logprobs or []
+
+    def _propose(self) -> None:
+        """Ask the proposer for draft tokens for running sequences that are decoding."""
+        c = self.spec_config
+        seqs, limits = [], []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.request.prompt_logprobs is not None \
+                    and len(seq.request.prompt_logprobs) < seq.num_prompt_tokens:
+                continue
+            if seq.spec_acceptance < c.min_acceptance_rate and self.num_steps % c.backoff_probe_interval:
+                continue       # backed off: proposals were mostly rejected lately
+            room = min(seq.params.max_tokens - seq.num_output_tokens,
+                       self.scheduler_config.max_seq_len - seq.num_tokens) - 1
+            seqs.append(seq)
+            limits.append(min(c.num_speculative_tokens, room))
+        if seqs:
+            for seq, drafts in zip(seqs, self.proposer.propose(seqs, limits)):
+                seq.spec_token_ids = list(drafts)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Make the request's other n - 1 sequences; they share the parent's blocks."""
@@ -316,6 +417,8 @@ class LLMEngine:
         seq.num_text_sent = max(seq.num_text_sent, release)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            if self.proposer is not None:
+                self.proposer.release(seq)
             if seq.request.finished:
                 self.requests.pop(seq.request_id, None)
         return self._completion(seq, [token], delta_text, logprobs)
@@ -346,4 +449,13 @@ class LLMEngine:
         s.update(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                  num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
                  num_generated_tokens=self.num_generated_tokens)
+        if self.spec_config is not None:
+            st = self.spec_stats
+            s.update({f"spec_{k}": v for k, v in st.items()})
+            s["spec_acceptance_rate"] = (st["num_accepted_tokens"] / st["num_draft_tokens"]
+                                         if st["num_draft_tokens"] else 0.0)
+            s["spec_mean_accepted_length"] = (1 + st["num_accepted_tokens"] / st["num_drafts"]
+                                              if st["num_drafts"] else 0.0)
+            if hasattr(self.proposer, "kv"):
+                s["spec_draft_blocks_used"] = self.proposer.kv.pool.num_used
         return s

@@ -97,6 +97,9 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            if seq.spec_token_ids:        # draft tokens ride along with the pending token
+                seq.spec_token_ids = seq.spec_token_ids[:max(0, budget - n)] if n == 1 else []
+                n += len(seq.spec_token_ids)
             while not self.kv.allocate_slots(seq, n):
                 # the newest not-yet-scheduled sequence gives its blocks back (maybe seq itself)
                 victim = max(order[i:], key=lambda s: s.arrival_time)
@@ -132,7 +135,11 @@ class Scheduler:
         batch = StepBatch()
         seqs_decode, seqs_prefill = [], []
         for seq, n in scheduled:
-            item = ScheduledSeq(seq.token_ids, seq.block_table, seq.num_computed_tokens, n)
+            if seq.spec_token_ids:
+                item = ScheduledSeq(seq.token_ids + seq.spec_token_ids, seq.block_table,
+                                    seq.num_computed_tokens, n, num_logits=n)
+            else:
+                item = ScheduledSeq(seq.token_ids, seq.block_table, seq.num_computed_tokens, n)
             if n == 1 and item.samples:
                 batch.decode.append(item)
                 seqs_decode.append(seq)
@@ -151,6 +158,7 @@ class Scheduler:
         """Preemption by recompute: free its blocks and put it at the front of the queue."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

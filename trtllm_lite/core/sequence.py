@@ -51,6 +51,8 @@ class Sequence:
     logprobs: list | None = None     # per output token {token_id: Logprob}, when asked
     index: int = 0                   # which of the request's n sequences
     request: "Request | None" = None  # the request this sequence belongs to
+    spec_token_ids: list[int] = field(default_factory=list)   # draft tokens to verify this step
+    spec_acceptance: float = 1.0     # recent acceptance rate of its proposals (EMA)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

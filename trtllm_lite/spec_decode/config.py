@@ -1,0 +1,55 @@
+"""``speculative_config`` in the vLLM habit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SpeculativeConfig:
+    """How draft tokens are proposed.
+
+    Args:
+        method: ``"ngram"`` (prompt lookup in the request's own tokens) or ``"draft_model"``
+            (a smaller engine with the same tokenizer, e.g. one built with ``--draft-layers``).
+        num_speculative_tokens: k, draft tokens proposed per step (>= 1).
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes tried, longest first.
+        draft_engine: engine directory of the draft model (method ``draft_model``).
+        draft_num_kv_blocks: blocks in the draft model's own KV pool (default: the target's).
+        min_acceptance_rate: below this recent acceptance rate a sequence backs off and
+            proposes only on every ``backoff_probe_interval``-th step.
+        backoff_probe_interval: steps between probing proposals while backed off.
+
+    Raises:
+        ValueError: a value out of range, naming it.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    draft_engine: str | None = None
+    draft_num_kv_blocks: int | None = None
+    min_acceptance_rate: float = 0.25
+    backoff_probe_interval: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be >= 1 and <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.draft_engine:
+            raise ValueError("speculative_config method 'draft_model' needs draft_engine")
+        if not 0 <= self.min_acceptance_rate <= 1:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
+
+    @classmethod
+    def from_any(cls, value) -> "SpeculativeConfig | None":
+        """Accept None, a SpeculativeConfig, or a dict of its fields."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls(**value)
+        raise TypeError("speculative_config must be a dict or SpeculativeConfig")
