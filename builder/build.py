@@ -13,6 +13,7 @@ import onnx
 from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST
 
 from .export_onnx import export_graphs
+from .draft import keep_first_layers
 from .loaders import load_model
 from .quantize import QUANTIZATIONS, quantize_model
 
@@ -40,6 +41,7 @@ class BuildConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_seq_len: int = 2048
+    draft_layers: int | None = None
     quantization: str = "none"
     quant_block_size: int = 32
     quant_symmetric: bool = True
@@ -102,6 +104,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     t0 = time.time()
     _log(f"loading {model}")
     loaded = load_model(model)
+    if bc.draft_layers:
+        loaded = keep_first_layers(loaded, bc.draft_layers)
     cfg = loaded.config
     bc.max_seq_len = min(bc.max_seq_len, cfg.max_position_embeddings)
     bc.validate(cfg.max_position_embeddings)

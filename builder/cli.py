@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per step (the token budget)")
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len,
                    help="prompt + output tokens per sequence")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="build a speculative-decoding draft from the model's first N layers")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="weight-only quantization of the linear layers (GGUF Q4_0/Q4_1/Q8_0 "
                         "blocks map exactly, others are block-quantized)")
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     config = BuildConfig(backend=args.backend, dtype=args.dtype, block_size=args.block_size,
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_seq_len=args.max_seq_len, quantization=args.quantization,
+                         max_seq_len=args.max_seq_len, draft_layers=args.draft_layers, quantization=args.quantization,
                          quant_block_size=args.quant_block_size,
                          quant_symmetric=not args.quant_asymmetric,
                          quantize_lm_head=args.quantize_lm_head, accuracy_level=args.accuracy_level)
