@@ -1,0 +1,294 @@
+"""``TritonPythonModel``: a trtllm-lite engine inside Triton's Python backend (decoupled).
+
+Threads in the backend stub process::
+
+    stub main thread   execute(requests): read tensors, validate, hand each request to the
+                       loop thread, return at once (Triton may call execute again at once)
+    loop thread        asyncio: one task per request iterates AsyncLLM.generate and sends
+                       each delta with the request's response sender; a watcher task polls
+                       response_sender.is_cancelled() and refreshes the metrics
+    engine thread      AsyncLLM's step loop: inflight batching of every client's requests
+
+A request's life: ``execute`` parses the TensorRT-LLM ensemble tensors
+(:mod:`trtllm_lite.ensemble_tensors`) into a prompt and ``SamplingParams``; a bad value is
+answered at once with an ``INVALID_ARG`` error response flagged final, and nothing else is
+affected. Streaming (``stream`` true) sends one response per step's delta; otherwise one
+response with the whole text. The last response of a request carries
+``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. With ``num_return_sequences`` > 1 each sequence's
+responses carry its ``sequence_index``. A request the client cancels is aborted in the
+engine (its KV blocks return at once) within ``cancellation_check_period_ms`` and answered
+with a ``CANCELLED`` error flagged final.
+
+Metrics (Triton's ``/metrics``, the TensorRT-LLM backend's families and labels so existing
+dashboards work), refreshed every ``stats_check_period_ms``:
+``nv_trt_llm_request_metrics{request_type=active|max|scheduled|waiting}``,
+``nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|used|tokens_per|fraction}``,
+``nv_trt_llm_general_metrics{general_type=iteration_counter}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from ..async_llm import AsyncLLM, EngineDeadError
+from ..core.llm_engine import LLMEngine
+from ..ensemble_tensors import EnsembleRequest, make_outputs, parse_inputs
+from ..serving.params import make_sampling_params
+from .repository import ENGINE_OPTIONS, parse_option
+
+try:  # present only inside the Python backend stub
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # pragma: no cover - imported outside Triton (docs, tools)
+    pb_utils = None
+
+
+def model_options(parameters: dict[str, str], version_dir: str) -> tuple[str, dict, dict]:
+    """Split ``config.pbtxt`` parameters into (engine dir, ``LLMEngine`` options, model options).
+
+    A relative ``engine_dir`` is resolved against ``version_dir``. Keys in upper case belong
+    to Triton or the Python backend (e.g. ``EXECUTION_ENV_PATH``) and are ignored.
+
+    Raises:
+        ValueError: ``engine_dir`` missing, an unknown key, a value of the wrong type, or an
+            engine option this runtime's ``LLMEngine`` does not take.
+    """
+    engine_dir = parameters.get("engine_dir")
+    if not engine_dir:
+        raise ValueError("config.pbtxt parameter engine_dir is missing")
+    engine_dir = os.path.join(version_dir, engine_dir)  # no-op for an absolute path
+    accepted = inspect.signature(LLMEngine.__init__).parameters
+    engine_names = {o.name for o in ENGINE_OPTIONS}
+    engine, model = {}, {}
+    for key, value in parameters.items():
+        if key == "engine_dir" or key.isupper():
+            continue
+        typed = parse_option(key, value)
+        if key in engine_names:
+            if key not in accepted:
+                raise ValueError(f"parameter {key} is not supported by this trtllm-lite runtime")
+            engine[key] = typed
+        else:
+            model[key] = typed
+    return engine_dir, engine, model
+
+
+def _parameters(model_config: dict) -> dict[str, str]:
+    return {k: v.get("string_value", "") for k, v in (model_config.get("parameters") or {}).items()}
+
+
+class _Metrics:
+    """Gauges in the TensorRT-LLM backend's metric families, labelled with model and version."""
+
+    FAMILIES = {
+        "request": ("nv_trt_llm_request_metrics", "request_type", "TRT LLM request metrics",
+                    ("active", "max", "scheduled", "waiting")),
+        "kv": ("nv_trt_llm_kv_cache_block_metrics", "kv_cache_block_type", "TRT LLM KV cache block metrics",
+               ("max", "free", "used", "tokens_per", "fraction")),
+        "general": ("nv_trt_llm_general_metrics", "general_type", "General TRT LLM metrics",
+                    ("iteration_counter",)),
+    }
+
+    def __init__(self, model: str, version: str):
+        self.gauges = {}
+        self._families = []  # keep the families alive as long as their metrics
+        for group, (name, label, description, kinds) in self.FAMILIES.items():
+            family = pb_utils.MetricFamily(name=name, description=description,
+                                           kind=pb_utils.MetricFamily.GAUGE)
+            self._families.append(family)
+            for kind in kinds:
+                self.gauges[group, kind] = family.Metric(labels={"model": model, "version": version,
+                                                                 label: kind})
+        self._last: dict = {}
+
+    def update(self, engine: LLMEngine) -> None:
+        try:  # read from another thread than the engine's: skip a refresh that races a step
+            s = engine.stats()
+        except (RuntimeError, ValueError):
+            return
+        values = {
+            ("request", "active"): s["num_running"] + s["num_waiting"],
+            ("request", "max"): engine.scheduler_config.max_num_seqs,
+            ("request", "scheduled"): s["num_running"],
+            ("request", "waiting"): s["num_waiting"],
+            ("kv", "max"): s["num_blocks"], ("kv", "free"): s["blocks_free"],
+            ("kv", "used"): s["blocks_used"], ("kv", "tokens_per"): engine.block_size,
+            ("kv", "fraction"): s["blocks_used"] / s["num_blocks"],
+            ("general", "iteration_counter"): s["num_steps"],
+        }
+        for key, value in values.items():
+            if self._last.get(key) != value:
+                self.gauges[key].set(float(value))
+                self._last[key] = value
+
+
+class TritonPythonModel:
+    """The Python-backend model (see the module docstring for its threads and protocol)."""
+
+    def initialize(self, args: dict) -> None:
+        """Load the engine named by ``config.pbtxt`` and start the loop thread.
+
+        Raises:
+            pb_utils.TritonModelException: the model is not decoupled, a parameter is bad, or
+                the engine fails to load (the message says which); Triton marks the model
+                unavailable.
+        """
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                "trtllm-lite models stream: set model_transaction_policy { decoupled: true }")
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        try:
+            engine_dir, engine_options, options = model_options(_parameters(config), version_dir)
+            self.llm = AsyncLLM(engine_dir, **engine_options)
+        except (ValueError, OSError) as e:
+            raise pb_utils.TritonModelException(f"{args['model_name']}: {e}") from None
+        self.cancellation_period = options.get("cancellation_check_period_ms", 100) / 1000
+        self.stats_period = options.get("stats_check_period_ms", 100) / 1000
+        self.tasks: dict[str, tuple[object, asyncio.Task]] = {}  # request id -> (sender, task)
+        self._watch_task: asyncio.Task | None = None
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="trtllm-lite-triton", daemon=True)
+        self.thread.start()
+        try:
+            self.metrics = _Metrics(args["model_name"], args["model_version"])
+        except Exception as e:  # noqa: BLE001 - metrics off (e.g. --allow-metrics=false) must not block serving
+            self.metrics = None
+            pb_utils.Logger.log_warn(f"trtllm-lite: metrics disabled: {e}")
+        asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
+
+    # -- requests ------------------------------------------------------------------------
+    def execute(self, requests: list) -> None:
+        """Queue each request on the loop thread and return at once (decoupled: None)."""
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed, params = self._parse(request)
+            except ValueError as e:
+                _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+                continue
+            request_id = f"triton-{request.request_id() or ''}-{uuid.uuid4().hex[:12]}"
+            asyncio.run_coroutine_threadsafe(self._generate(request_id, sender, parsed, params), self.loop)
+        return None
+
+    def _parse(self, request) -> tuple[EnsembleRequest, object]:
+        """Tensors -> (ensemble request, SamplingParams). Raises ``ValueError`` naming the tensor."""
+        inputs = {t.name(): t.as_numpy() for t in request.inputs()}
+        tokenizer = self.llm.tokenizer
+        encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer else None
+        parsed = parse_inputs(inputs, encode)
+        return parsed, make_sampling_params(parsed.sampling)
+
+    async def _generate(self, request_id: str, sender, request: EnsembleRequest, params) -> None:
+        self.tasks[request_id] = (sender, asyncio.current_task())
+        n = getattr(params, "n", 1)
+        texts: dict[int, list[str]] = {}
+        logprobs: dict[int, list[float]] = {}
+        counts: dict[int, int] = {}
+        pending = None  # the last response not yet sent: it may be the final one
+        try:
+            async for out in self.llm.generate(request.prompt, params, request_id):
+                for c in out.outputs:
+                    counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+                    lps = _token_logprobs(c)
+                    if request.stream:
+                        response = self._response(request, out, c.index, c.text, lps, counts, n)
+                        if pending is not None:
+                            sender.send(pending)
+                        pending = response
+                    else:
+                        texts.setdefault(c.index, []).append(c.text)
+                        logprobs.setdefault(c.index, []).extend(lps)
+                if out.finished and not request.stream:
+                    responses = [self._response(request, out, i, "".join(texts.get(i, [])),
+                                                logprobs.get(i, []), counts, n) for i in range(n)]
+                    for response in responses[:-1]:
+                        sender.send(response)
+                    pending = responses[-1]
+            if pending is None:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                sender.send(pending, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except asyncio.CancelledError:  # the client cancelled: the generator's exit aborted the request
+            _send_error(sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+        except (ValueError, TypeError) as e:
+            _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+        except OverflowError as e:
+            _send_error(sender, f"server busy: {e}", pb_utils.TritonError.UNAVAILABLE)
+        except EngineDeadError as e:
+            _send_error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+        except Exception as e:  # noqa: BLE001 - one request's failure (e.g. its client vanished) ends it only
+            _send_error(sender, f"internal error: {e!r}", pb_utils.TritonError.INTERNAL)
+        finally:
+            self.tasks.pop(request_id, None)
+
+    def _response(self, request: EnsembleRequest, out, index: int, text: str, lps: list[float],
+                  counts: dict[int, int], n: int):
+        m = out.metrics
+        times = {"arrival_time_ns": _ns(m.arrival_time), "first_scheduled_time_ns": _ns(m.first_scheduled_time),
+                 "first_token_time_ns": _ns(m.first_token_time), "last_token_time_ns": _ns(time.monotonic())}
+        tensors = make_outputs(request, text, num_input_tokens=len(out.prompt_token_ids),
+                               num_output_tokens=counts.get(index, 0),
+                               token_logprobs=lps if request.return_log_probs else None, times_ns=times)
+        if n > 1:
+            tensors["sequence_index"] = np.array([index], np.int32).reshape((1, 1) if request.batched else (1,))
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
+
+    # -- cancellation and metrics ----------------------------------------------------------
+    async def _watch(self) -> None:
+        """Cancel the tasks of requests the client cancelled; refresh the metrics."""
+        self._watch_task = asyncio.current_task()
+        next_stats = 0.0
+        while True:
+            for sender, task in list(self.tasks.values()):
+                try:
+                    cancelled = sender.is_cancelled()
+                except Exception:  # noqa: BLE001 - the sender is gone: stop the work too
+                    cancelled = True
+                if cancelled and not task.done():
+                    task.cancel()
+            now = time.monotonic()
+            if self.metrics is not None and now >= next_stats:
+                self.metrics.update(self.llm.engine)
+                next_stats = now + self.stats_period
+            await asyncio.sleep(min(self.cancellation_period, self.stats_period))
+
+    def finalize(self) -> None:
+        """Cancel open requests (each gets a final CANCELLED response), stop the engine and the loop."""
+        async def cancel_all():
+            tasks = [task for _, task in self.tasks.values()] + [t for t in (self._watch_task,) if t]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=10)
+        finally:
+            self.llm.shutdown()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+def _send_error(sender, message: str, code) -> None:
+    try:
+        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception:  # noqa: BLE001 - the request is already closed (e.g. its stream ended)
+        pass
+
+
+def _token_logprobs(completion) -> list[float]:
+    """The sampled tokens' log-probabilities in ``completion`` (empty if not asked for)."""
+    if not completion.logprobs:
+        return []
+    return [d[t].logprob for t, d in zip(completion.token_ids, completion.logprobs)]
+
+
+def _ns(seconds: float | None) -> int:
+    return 0 if seconds is None else int(seconds * 1e9)
