@@ -2,11 +2,16 @@
 # Build the trtllm-lite CUDA kernels into one shared library with nvcc.
 #
 #   plugins_cu/build.sh [--arch "80 89 90"] [--out DIR] [--compile-only] [--jobs N]
+#   plugins_cu/build.sh --emulation [--asan] [--out DIR]
 #
 # Output: DIR/libtrtllm_lite_kernels.so (default DIR: plugins_cu/build), C ABI in
 # plugins_cu/include/trtllm_lite_kernels.h, CUDA runtime linked statically. Machine code (SASS) for
 # each listed architecture plus PTX for the highest, so newer GPUs can JIT it.
 # --compile-only stops after the object files (what CI checks on a machine without a GPU).
+# --emulation builds DIR/libtrtllm_lite_kernels_emu.so instead: the same sources compiled by the
+# host C++ compiler (CXX, default g++) against plugins_cu/emulation, a CPU model of the CUDA
+# execution model with the same C ABI, for checking the kernels without a GPU; --asan adds
+# AddressSanitizer (load it with LD_PRELOAD=$(g++ -print-file-name=libasan.so)).
 # Environment: NVCC (default: nvcc on PATH), TL_CUDA_ARCHS (default "80 89 90"),
 # TL_PTXAS_VERBOSE=1 (print ptxas resource usage).
 set -euo pipefail
@@ -15,6 +20,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ARCHS="${TL_CUDA_ARCHS:-80 89 90}"
 OUT_DIR="$HERE/build"
 COMPILE_ONLY=0
+EMULATION=0
+ASAN=0
 JOBS="$(nproc 2>/dev/null || echo 2)"
 NVCC="${NVCC:-nvcc}"
 
@@ -23,11 +30,32 @@ while [[ $# -gt 0 ]]; do
     --arch) ARCHS="$2"; shift 2 ;;
     --out) OUT_DIR="$2"; shift 2 ;;
     --compile-only) COMPILE_ONLY=1; shift ;;
+    --emulation) EMULATION=1; shift ;;
+    --asan) ASAN=1; shift ;;
     --jobs) JOBS="$2"; shift 2 ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "build.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
+
+if (( EMULATION )); then
+  CUDA_INC=""
+  NVCC_PATH="$(command -v "$NVCC" 2>/dev/null || true)"
+  for root in "${CUDA_HOME:-}" "${NVCC_PATH:+$(dirname "$(dirname "$(readlink -f "$NVCC_PATH")")")}" \
+              /usr/local/cuda; do
+    [[ -n "$root" && -f "$root/include/cuda_fp16.h" ]] && { CUDA_INC="$root/include"; break; }
+  done
+  [[ -n "$CUDA_INC" ]] || { echo "build.sh: CUDA headers not found (set CUDA_HOME)" >&2; exit 1; }
+  EXTRA=()
+  (( ASAN )) && EXTRA=(-fsanitize=address -fno-omit-frame-pointer)
+  mkdir -p "$OUT_DIR"
+  "${CXX:-g++}" -std=c++17 -O2 -g -fPIC -shared -DTL_EMULATE -fno-strict-aliasing -Wall -Wno-unknown-pragmas \
+    "${EXTRA[@]}" -I"$HERE/include" -I"$CUDA_INC" \
+    -x c++ "$HERE"/src/{decode_attention,prefill_attention,kv_write,api}.cu \
+    -x none "$HERE/emulation/cuda_emulation.cpp" -o "$OUT_DIR/libtrtllm_lite_kernels_emu.so"
+  echo "build.sh: built $OUT_DIR/libtrtllm_lite_kernels_emu.so (CPU emulation)"
+  exit 0
+fi
 
 command -v "$NVCC" >/dev/null || { echo "build.sh: nvcc not found (set NVCC)" >&2; exit 1; }
 mkdir -p "$OUT_DIR/obj"

@@ -44,6 +44,8 @@ enum {
 
 /* Version of this ABI (bumped on any signature change). */
 int tl_abi_version(void);
+/* How the library was built: "CUDA <major>.<minor>" or "CPU emulation" (plugins_cu/emulation). */
+const char* tl_build_info(void);
 const char* tl_error_string(int code);
 
 /* Paged KV write: key_cache[slot_mapping[t]] = key[t], value_cache[...] = value[t]. */

@@ -1,7 +1,6 @@
 // The C ABI of include/trtllm_lite_kernels.h: argument checks, dispatch to the launchers, and
 // small device-memory helpers (so Python can drive the kernels through ctypes alone).
-#include <cuda_runtime.h>
-
+#include "common.cuh"
 #include "launch.h"
 #include "trtllm_lite_kernels.h"
 
@@ -42,6 +41,16 @@ int check_common(int dtype, int num_heads, int num_kv_heads, int head_dim, int b
 extern "C" {
 
 int tl_abi_version(void) { return 1; }
+
+#define TL_STR2(x) #x
+#define TL_STR(x) TL_STR2(x)
+const char* tl_build_info(void) {
+#ifdef TL_EMULATE
+  return "CPU emulation";
+#else
+  return "CUDA " TL_STR(__CUDACC_VER_MAJOR__) "." TL_STR(__CUDACC_VER_MINOR__);
+#endif
+}
 
 const char* tl_error_string(int code) {
   switch (code) {

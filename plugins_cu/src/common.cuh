@@ -2,12 +2,27 @@
 // cp.async and the m16n8k16 tensor-core MMA. Units: "elements" are fp16/bf16 values (2 bytes).
 #pragma once
 
+#ifdef TL_EMULATE
+#include "../emulation/cuda_emulation.h"  // host build for checks without a GPU
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#endif
 #include <stdint.h>
 
 #include "trtllm_lite_kernels.h"
+
+// Kernel launch. `kernel` must be a plain name (take a pointer to a template instance first).
+#ifdef TL_EMULATE
+#define TL_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  tl_emu::launch(grid, block, [&]() { kernel(__VA_ARGS__); })
+#define TL_EMU_POISON(shared_array) tl_emu::poison_shared_once(shared_array, sizeof(shared_array))
+#else
+#define TL_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+#define TL_EMU_POISON(shared_array) ((void)0)
+#endif
 
 namespace tl {
 
@@ -23,9 +38,13 @@ struct alignas(16) Vec8 {
 // Read-once 16-byte global load: bypasses L1 allocation (K/V are streamed exactly once).
 __device__ __forceinline__ Vec8 ld_stream(const void* p) {
   Vec8 v;
+#ifdef TL_EMULATE
+  memcpy(&v, p, 16);
+#else
   asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
       : "l"(p));
+#endif
   return v;
 }
 
@@ -77,6 +96,16 @@ __device__ __forceinline__ void unpack8(const Vec8& v, float (&f)[8]) {
 }
 
 // ---- cp.async (sm_80+): 16-byte global -> shared copies, zero-filled when !valid ----
+#ifdef TL_EMULATE
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  tl_emu::cp_async(smem, gmem, valid);
+}
+__device__ __forceinline__ void cp_async_commit() { tl_emu::cp_commit(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  tl_emu::cp_wait(N);
+}
+#else
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int src_bytes = valid ? 16 : 0;
@@ -88,6 +117,7 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+#endif
 
 // ---- tensor cores: D[16x8] += A[16x16] * B[16x8], fp16/bf16 in, fp32 accumulate ----
 // Fragment layout (PTX ISA, mma.m16n8k16), g = lane / 4, t = lane % 4:
@@ -96,6 +126,16 @@ __device__ __forceinline__ void cp_async_wait() {
 //   C/D:    c0,c1 (row g, cols 2t, 2t+1), c2,c3 (row g+8, cols 2t, 2t+1)
 template <typename T> struct Mma;
 
+#ifdef TL_EMULATE
+template <typename T> struct Mma {
+  static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    tl_emu::mma_m16n8k16(c, a, b0, b1, std::is_same<T, __nv_bfloat16>::value);
+  }
+};
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  tl_emu::ldmatrix_x4_trans(r, smem_row);
+}
+#else
 template <> struct Mma<__half> {
   __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
@@ -127,6 +167,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
 }
+#endif  // TL_EMULATE
 
 __host__ __device__ constexpr int ilog2(int x) { return x <= 1 ? 0 : 1 + ilog2(x >> 1); }
 

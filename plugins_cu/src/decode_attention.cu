@@ -64,6 +64,9 @@ decode_split_kernel(const DecodeParams p) {
   __shared__ float red_o[kDecodeWarps][GM][D];
   __shared__ float red_m[kDecodeWarps][GM];
   __shared__ float red_l[kDecodeWarps][GM];
+  TL_EMU_POISON(red_o);
+  TL_EMU_POISON(red_m);
+  TL_EMU_POISON(red_l);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane % L, row = lane / L;
@@ -288,7 +291,8 @@ int heads_per_cta(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <=
 
 template <typename T, int D, int GM>
 int launch_split(const DecodeParams& prm, dim3 grid, cudaStream_t stream) {
-  decode_split_kernel<T, D, GM><<<grid, kDecodeThreads, 0, stream>>>(prm);
+  auto* kernel = decode_split_kernel<T, D, GM>;
+  TL_LAUNCH(kernel, grid, kDecodeThreads, 0, stream, prm);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -304,9 +308,10 @@ int launch_typed(const DecodeParams& prm, const DecodePlan& plan, int num_seqs,
     default: err = launch_split<T, D, 8>(prm, grid, stream); break;
   }
   if (err || plan.num_splits == 1) return err;
-  decode_merge_kernel<T, D><<<dim3(prm.num_heads, num_seqs), D, 0, stream>>>(
-      prm.part_o, prm.part_ml, prm.context_lens, static_cast<T*>(prm.out), prm.num_heads,
-      plan.num_splits, plan.chunk);
+  auto* merge = decode_merge_kernel<T, D>;
+  TL_LAUNCH(merge, dim3(prm.num_heads, num_seqs), D, 0, stream, prm.part_o, prm.part_ml,
+            prm.context_lens, static_cast<T*>(prm.out), prm.num_heads, plan.num_splits,
+            plan.chunk);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -38,10 +38,10 @@ int launch_kv_write(const void* key, const void* value, void* key_cache, void* v
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;
   const int grid = static_cast<int>(blocks < 65536 ? blocks : 65536);
-  paged_kv_write_kernel<<<grid, threads, 0, stream>>>(
-      static_cast<const Vec8*>(key), static_cast<const Vec8*>(value),
-      static_cast<Vec8*>(key_cache), static_cast<Vec8*>(value_cache), slot_mapping, total,
-      vecs_per_token);
+  auto* kernel = paged_kv_write_kernel;
+  TL_LAUNCH(kernel, grid, threads, 0, stream, static_cast<const Vec8*>(key),
+            static_cast<const Vec8*>(value), static_cast<Vec8*>(key_cache),
+            static_cast<Vec8*>(value_cache), slot_mapping, total, vecs_per_token);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -55,6 +55,8 @@ prefill_kernel(const PrefillParams p) {
   static_assert(CHUNKS * kPrefillThreads == kBN * VECS, "tile copy must divide evenly");
   __shared__ __align__(16) uint16_t Ks[kBN * LDS];
   __shared__ __align__(16) uint16_t Vs[kBN * LDS];
+  TL_EMU_POISON(Ks);
+  TL_EMU_POISON(Vs);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -237,7 +239,8 @@ prefill_kernel(const PrefillParams p) {
 
 template <typename T, int D>
 int launch_typed(const PrefillParams& prm, dim3 grid, cudaStream_t stream) {
-  prefill_kernel<T, D><<<grid, kPrefillThreads, 0, stream>>>(prm);
+  auto* kernel = prefill_kernel<T, D>;
+  TL_LAUNCH(kernel, grid, kPrefillThreads, 0, stream, prm);
   return static_cast<int>(cudaGetLastError());
 }
 

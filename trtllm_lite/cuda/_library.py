@@ -32,6 +32,8 @@ class CudaKernelError(RuntimeError):
 
 def candidate_paths() -> list[Path]:
     """Where the library is looked for, in order (only the variable's path when it is set)."""
+    if _override is not None:
+        return [_override]
     env = os.environ.get("TRTLLM_LITE_CUDA_LIB")
     if env:
         return [Path(env)]
@@ -43,6 +45,7 @@ _P, _I, _F, _S = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t
 # C signatures of include/trtllm_lite_kernels.h (pointers and streams travel as c_void_p).
 _SIGNATURES = {
     "tl_abi_version": (_I, []),
+    "tl_build_info": (ctypes.c_char_p, []),
     "tl_error_string": (ctypes.c_char_p, [_I]),
     "tl_paged_kv_write": (_I, [_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P]),
     "tl_decode_workspace_size": (_S, [_I, _I, _I, _I, _I]),
@@ -65,6 +68,18 @@ _SIGNATURES = {
 
 _lib: ctypes.CDLL | None = None
 _device_ok = False
+_override: Path | None = None
+
+
+def use_library(path: str | os.PathLike | None) -> None:
+    """Load the kernels from ``path`` from now on (None: back to the normal search).
+
+    Tests use it to run the same checks on ``libtrtllm_lite_kernels_emu.so``, the CPU emulation
+    build of the kernels (``plugins_cu/build.sh --emulation``).
+    """
+    global _lib, _device_ok, _override
+    _lib, _device_ok = None, False
+    _override = Path(path) if path is not None else None
 
 
 def load_library(require_device: bool = True) -> ctypes.CDLL:
@@ -95,6 +110,11 @@ def load_library(require_device: bool = True) -> ctypes.CDLL:
             raise CudaKernelsUnavailable(f"no usable CUDA GPU: {reason}")
         _device_ok = True
     return _lib
+
+
+def build_info() -> str:
+    """``"CUDA 13.0"`` for the real kernels, ``"CPU emulation"`` for the emulation build."""
+    return load_library(require_device=False).tl_build_info().decode()
 
 
 def error_string(code: int) -> str:
