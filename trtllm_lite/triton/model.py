@@ -28,6 +28,7 @@ dashboards work), refreshed every ``stats_check_period_ms``:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
@@ -107,10 +108,11 @@ class _Metrics:
                                                                  label: kind})
         self._last: dict = {}
 
-    def update(self, engine: LLMEngine) -> None:
-        try:  # read from another thread than the engine's: skip a refresh that races a step
-            s = engine.stats()
-        except (RuntimeError, ValueError):
+    def update(self, llm: AsyncLLM) -> None:
+        engine = llm.engine
+        try:  # AsyncLLM.stats() is a snapshot the engine thread takes; else read across threads
+            s = llm.stats() if hasattr(llm, "stats") else engine.stats()
+        except (RuntimeError, ValueError):  # a read that raced a step: skip this refresh
             return
         values = {
             ("request", "active"): s["num_running"] + s["num_waiting"],
@@ -126,6 +128,44 @@ class _Metrics:
             if self._last.get(key) != value:
                 self.gauges[key].set(float(value))
                 self._last[key] = value
+
+
+class _ResponseState:
+    """One request's output state: token counts per sequence and, when not streaming, the
+    whole text and log-probs, until the request finishes."""
+
+    def __init__(self, request: EnsembleRequest, n: int):
+        self.request, self.n = request, n
+        self.counts: dict[int, int] = {}
+        self.texts: dict[int, list[str]] = {}
+        self.logprobs: dict[int, list[float]] = {}
+
+    def add(self, out) -> list[dict[str, np.ndarray]]:
+        """Output tensors of the responses delta ``out`` calls for: one per changed sequence
+        when streaming; one per sequence when the request finishes otherwise."""
+        stream, found = self.request.stream, []
+        for c in out.outputs:
+            self.counts[c.index] = self.counts.get(c.index, 0) + len(c.token_ids)
+            if stream:
+                found.append(self.tensors(out, c.index, c.text, _token_logprobs(c)))
+            else:
+                self.texts.setdefault(c.index, []).append(c.text)
+                self.logprobs.setdefault(c.index, []).extend(_token_logprobs(c))
+        if out.finished and not stream:
+            found = [self.tensors(out, i, "".join(self.texts.get(i, [])), self.logprobs.get(i, []))
+                     for i in range(self.n)]
+        return found
+
+    def tensors(self, out, index: int, text: str, logprobs: list[float]) -> dict[str, np.ndarray]:
+        m, request = out.metrics, self.request
+        times = {"arrival_time_ns": _ns(m.arrival_time), "first_scheduled_time_ns": _ns(m.first_scheduled_time),
+                 "first_token_time_ns": _ns(m.first_token_time), "last_token_time_ns": _ns(time.monotonic())}
+        tensors = make_outputs(request, text, num_input_tokens=len(out.prompt_token_ids),
+                               num_output_tokens=self.counts.get(index, 0),
+                               token_logprobs=logprobs if request.return_log_probs else None, times_ns=times)
+        if self.n > 1:
+            tensors["sequence_index"] = np.array([index], np.int32).reshape((1, 1) if request.batched else (1,))
+        return tensors
 
 
 class TritonPythonModel:
@@ -147,7 +187,7 @@ class TritonPythonModel:
         try:
             engine_dir, engine_options, options = model_options(_parameters(config), version_dir)
             self.llm = AsyncLLM(engine_dir, **engine_options)
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError) as e:  # EngineError is a ValueError
             raise pb_utils.TritonModelException(f"{args['model_name']}: {e}") from None
         self.cancellation_period = options.get("cancellation_check_period_ms", 100) / 1000
         self.stats_period = options.get("stats_check_period_ms", 100) / 1000
@@ -170,8 +210,11 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 parsed, params = self._parse(request)
-            except ValueError as e:
+            except (ValueError, TypeError) as e:
                 _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+                continue
+            except Exception as e:  # noqa: BLE001 - fail this request, not the batch
+                _send_error(sender, f"internal error: {e!r}", pb_utils.TritonError.INTERNAL)
                 continue
             request_id = f"triton-{request.request_id() or ''}-{uuid.uuid4().hex[:12]}"
             asyncio.run_coroutine_threadsafe(self._generate(request_id, sender, parsed, params), self.loop)
@@ -186,35 +229,13 @@ class TritonPythonModel:
         return parsed, make_sampling_params(parsed.sampling)
 
     async def _generate(self, request_id: str, sender, request: EnsembleRequest, params) -> None:
+        """Serve one request: send its responses as the engine makes them; errors end it alone."""
         self.tasks[request_id] = (sender, asyncio.current_task())
-        n = getattr(params, "n", 1)
-        texts: dict[int, list[str]] = {}
-        logprobs: dict[int, list[float]] = {}
-        counts: dict[int, int] = {}
-        pending = None  # the last response not yet sent: it may be the final one
-        try:
-            async for out in self.llm.generate(request.prompt, params, request_id):
-                for c in out.outputs:
-                    counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
-                    lps = _token_logprobs(c)
-                    if request.stream:
-                        response = self._response(request, out, c.index, c.text, lps, counts, n)
-                        if pending is not None:
-                            sender.send(pending)
-                        pending = response
-                    else:
-                        texts.setdefault(c.index, []).append(c.text)
-                        logprobs.setdefault(c.index, []).extend(lps)
-                if out.finished and not request.stream:
-                    responses = [self._response(request, out, i, "".join(texts.get(i, [])),
-                                                logprobs.get(i, []), counts, n) for i in range(n)]
-                    for response in responses[:-1]:
-                        sender.send(response)
-                    pending = responses[-1]
-            if pending is None:
-                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            else:
-                sender.send(pending, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        state = _ResponseState(request, getattr(params, "n", 1))
+        try:  # aclosing: if a send fails, the request is aborted now, not when collected
+            async with contextlib.aclosing(self.llm.generate(request.prompt, params, request_id)) as outs:
+                async for out in outs:
+                    _send(sender, [_response(t) for t in state.add(out)], final=out.finished)
         except asyncio.CancelledError:  # the client cancelled: the generator's exit aborted the request
             _send_error(sender, "request cancelled", pb_utils.TritonError.CANCELLED)
         except (ValueError, TypeError) as e:
@@ -227,18 +248,6 @@ class TritonPythonModel:
             _send_error(sender, f"internal error: {e!r}", pb_utils.TritonError.INTERNAL)
         finally:
             self.tasks.pop(request_id, None)
-
-    def _response(self, request: EnsembleRequest, out, index: int, text: str, lps: list[float],
-                  counts: dict[int, int], n: int):
-        m = out.metrics
-        times = {"arrival_time_ns": _ns(m.arrival_time), "first_scheduled_time_ns": _ns(m.first_scheduled_time),
-                 "first_token_time_ns": _ns(m.first_token_time), "last_token_time_ns": _ns(time.monotonic())}
-        tensors = make_outputs(request, text, num_input_tokens=len(out.prompt_token_ids),
-                               num_output_tokens=counts.get(index, 0),
-                               token_logprobs=lps if request.return_log_probs else None, times_ns=times)
-        if n > 1:
-            tensors["sequence_index"] = np.array([index], np.int32).reshape((1, 1) if request.batched else (1,))
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
 
     # -- cancellation and metrics ----------------------------------------------------------
     async def _watch(self) -> None:
@@ -255,7 +264,7 @@ class TritonPythonModel:
                     task.cancel()
             now = time.monotonic()
             if self.metrics is not None and now >= next_stats:
-                self.metrics.update(self.llm.engine)
+                self.metrics.update(self.llm)
                 next_stats = now + self.stats_period
             await asyncio.sleep(min(self.cancellation_period, self.stats_period))
 
@@ -273,6 +282,25 @@ class TritonPythonModel:
             self.llm.shutdown()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=10)
+
+
+def _response(tensors: dict[str, np.ndarray]):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
+
+
+def _send(sender, responses: list, final: bool) -> None:
+    """Send ``responses`` in order; with ``final``, the last one (or an empty response)
+    carries ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``."""
+    for response in responses[:-1]:
+        sender.send(response)
+    if final:
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if responses:
+            sender.send(responses[-1], flags=flags)
+        else:
+            sender.send(flags=flags)
+    elif responses:
+        sender.send(responses[-1])
 
 
 def _send_error(sender, message: str, code) -> None:

@@ -122,16 +122,18 @@ class TritonServer:
                                         stderr=subprocess.STDOUT if out else None,
                                         start_new_session=True)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self._close_log()
-                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}"
-                                   f"{self._log_tail()}")
-            if self.is_ready():
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"tritonserver was not ready within {timeout:.0f} s{self._log_tail()}")
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"tritonserver exited with code {self.process.returncode}"
+                                       f"{self._log_tail()}")
+                if self.is_ready():
+                    return self
+                time.sleep(0.25)
+            raise RuntimeError(f"tritonserver was not ready within {timeout:.0f} s{self._log_tail()}")
+        except BaseException:  # never leave a half-started server behind
+            self.stop()
+            raise
 
     def is_ready(self) -> bool:
         """Whether ``/v2/health/ready`` answers 200 (server up, every model loaded)."""
@@ -142,9 +144,10 @@ class TritonServer:
             return False
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM the server (models' ``finalize`` runs), SIGKILL after ``timeout`` s.
+        """SIGTERM the server (models' ``finalize`` runs), SIGKILL after ``timeout`` s; then
+        SIGKILL any process left in its session (a stub orphaned by a crash).
 
-        Returns the exit code (None if it was never started)."""
+        Returns the server's exit code (None if it was never started)."""
         if self.process is None:
             return None
         if self.process.poll() is None:
@@ -152,10 +155,18 @@ class TritonServer:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                self._kill_group()
                 self.process.wait()
+        self._kill_group()  # backend stubs that outlived the server (they ignore SIGTERM)
         self._close_log()
         return self.process.returncode
+
+    def _kill_group(self) -> None:
+        """SIGKILL what is left of the session the server leads (it and its stubs only)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def _close_log(self) -> None:
         if self._log is not None:
@@ -177,10 +188,10 @@ class TritonServer:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m trtllm_lite.triton.server --model-repository REPO``: serve until Ctrl-C."""
-    p = argparse.ArgumentParser(description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m trtllm_lite.triton.server", description=main.__doc__)
     p.add_argument("--model-repository", required=True)
-    p.add_argument("--prefix", default=None, help="server install (default: %(default)s -> "
-                   "$TRTLLM_LITE_TRITON_HOME or ~/.cache/trtllm-lite/triton)")
+    p.add_argument("--prefix", default=None, help="where tools/setup_triton.sh installed the server "
+                   "(default: $TRTLLM_LITE_TRITON_HOME or ~/.cache/trtllm-lite/triton)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--http-port", type=int, default=8000)
