@@ -1,15 +1,20 @@
 """``AsyncLLM``: the asyncio streaming API; the engine steps on its own thread.
 
 Requests are validated in the caller's thread, then handed to the engine thread through a
-command queue; each request's deltas come back through its own asyncio queue. The step
-loop never runs on the event loop, so a long step does not stall the server's I/O.
+command queue; each request's deltas come back through its own bounded stream (see
+:class:`RequestStream`). The step loop never runs on the event loop, so a long step does
+not stall a server's I/O. Servers also get admission control (``max_waiting_requests``),
+per-request deadlines, a stats snapshot that never blocks, and a drain for graceful shutdown.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
+import time
 import uuid
+from collections import deque
 from typing import AsyncIterator
 
 from .core.llm_engine import LLMEngine
@@ -21,53 +26,170 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an internal error; requests cannot be served."""
 
 
+class EngineStepError(RuntimeError):
+    """A step failed on an internal error; the requests in flight were aborted (the engine
+    goes on serving new ones)."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The engine no longer accepts requests (shutdown or drain in progress)."""
+
+
+class QueueFullError(OverflowError):
+    """Too many requests wait to be scheduled (``max_waiting_requests``)."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """The request's deadline passed; it was aborted and its KV blocks freed."""
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One delta equal to delta ``a`` followed by delta ``b`` of the same request: text,
+    token ids and logprobs appended per sequence index; finish state, metrics from ``b``."""
+    outs = {o.index: o for o in a.outputs}
+    for o in b.outputs:
+        prev = outs.get(o.index)
+        if prev is None:
+            outs[o.index] = o
+            continue
+        logprobs = prev.logprobs if o.logprobs is None else (prev.logprobs or []) + o.logprobs
+        outs[o.index] = dataclasses.replace(o, text=prev.text + o.text, token_ids=prev.token_ids + o.token_ids,
+                                            logprobs=logprobs)
+    return dataclasses.replace(b, outputs=[outs[i] for i in sorted(outs)])
+
+
+class RequestStream:
+    """Deltas of one request, from the engine thread to its consumer on an event loop.
+
+    Bounded: at most ``maxsize`` items wait; when full, a new delta is merged into the last
+    one (:func:`merge_deltas`), so a slow consumer never blocks the engine and never holds
+    more than ``maxsize`` objects. Methods other than :meth:`put_threadsafe` run on the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int):
+        self.loop = loop
+        self.maxsize = maxsize
+        self.items: deque = deque()
+        self.event = asyncio.Event()
+
+    def put_threadsafe(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.put, item)
+        except RuntimeError:  # the consumer's loop is closed
+            pass
+
+    def put(self, item) -> None:
+        if (len(self.items) >= self.maxsize and isinstance(item, RequestOutput)
+                and isinstance(self.items[-1], RequestOutput)):
+            self.items[-1] = merge_deltas(self.items[-1], item)
+        else:
+            self.items.append(item)
+        self.event.set()
+
+    async def get(self, deadline: float | None = None):
+        """Next item; raises :class:`RequestTimeoutError` at ``deadline`` (monotonic s)."""
+        while not self.items:
+            self.event.clear()
+            if deadline is None:
+                await self.event.wait()
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeoutError("request deadline exceeded")
+            try:
+                await asyncio.wait_for(self.event.wait(), remaining)
+            except asyncio.TimeoutError:
+                raise RequestTimeoutError("request deadline exceeded") from None
+        return self.items.popleft()
+
+
 class AsyncLLM:
     """Stream generations from an engine shared by many concurrent callers.
 
     ``AsyncLLM(engine_dir, **options)`` (options as ``LLMEngine``), or
     ``AsyncLLM.from_engine(engine)``.
+
+    Args:
+        max_waiting_requests: requests accepted but not yet scheduled, at most; beyond it
+            :meth:`generate` raises :class:`QueueFullError` (None: unbounded).
+        stream_queue_size: deltas held per request before merging (>= 1).
     """
 
-    def __init__(self, engine_dir: str | None = None, *, engine: LLMEngine | None = None, **options):
+    def __init__(self, engine_dir: str | None = None, *, engine: LLMEngine | None = None,
+                 max_waiting_requests: int | None = None, stream_queue_size: int = 64, **options):
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        if stream_queue_size < 1:
+            raise ValueError(f"stream_queue_size must be >= 1, got {stream_queue_size}")
         self.engine = engine or LLMEngine(engine_dir, **options)
+        self.max_waiting_requests = max_waiting_requests
+        self.stream_queue_size = stream_queue_size
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[RequestStream, object]] = {}
         self._error: BaseException | None = None
+        self._accepting = True
         self._stopped = False
+        self.num_step_errors = 0
+        self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._loop, name="trtllm-lite-engine", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "AsyncLLM":
-        return cls(engine=engine)
+    def from_engine(cls, engine: LLMEngine, **options) -> "AsyncLLM":
+        return cls(engine=engine, **options)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def accepting(self) -> bool:
+        """True while :meth:`generate` takes new requests."""
+        return self._accepting and not self._stopped and self._error is None
+
+    @property
+    def dead(self) -> bool:
+        return self._error is not None or not self._thread.is_alive()
+
     # -- public API -----------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, timeout: float | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield delta :class:`RequestOutput`s (new text and token ids) until ``finished``.
 
-        Raises ``ValueError`` / ``TypeError`` for bad input before anything is queued. If the
-        consumer stops iterating (cancellation, disconnect), the request is aborted and its
-        KV blocks return within one step.
+        Args:
+            timeout: seconds from now until the request is aborted (None: no deadline).
+
+        Raises:
+            ValueError / TypeError: bad input, before anything is queued (the message names
+                the parameter; an over-long prompt names the limit).
+            QueueFullError: ``max_waiting_requests`` requests already wait.
+            ShuttingDownError: the engine no longer accepts requests.
+            RequestTimeoutError: the deadline passed; the request was aborted.
+            EngineStepError / EngineDeadError: an internal error ended the request.
+
+        If the consumer stops iterating (cancellation, disconnect), the request is aborted
+        and its KV blocks return within one step.
         """
         if self._error is not None:
             raise EngineDeadError(f"engine stopped: {self._error!r}")
-        if self._stopped:
-            raise RuntimeError("AsyncLLM is shut down")
-        seq = self.engine.make_sequence(prompt, sampling_params, request_id or uuid.uuid4().hex)
-        if seq.request_id in self._streams:
-            raise ValueError(f"request_id {seq.request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[seq.request_id] = (asyncio.get_running_loop(), q)
-        self._commands.put(("add", seq))
+        if not self.accepting:
+            raise ShuttingDownError("the engine is shutting down and accepts no new requests")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request = self.engine.make_request(prompt, sampling_params, request_id or uuid.uuid4().hex)
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        limit = self.max_waiting_requests
+        if limit is not None and self.num_waiting_requests() >= limit:
+            raise QueueFullError(f"waiting queue is full ({limit} requests wait to be scheduled)")
+        stream = RequestStream(asyncio.get_running_loop(), self.stream_queue_size)
+        self._streams[rid] = (stream, request)
+        self._commands.put(("add", request))
         finished = False
         try:
             while True:
-                item = await q.get()
+                item = await stream.get(deadline)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -75,48 +197,86 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            self._streams.pop(seq.request_id, None)
+            self._streams.pop(rid, None)
             if not finished:
-                self._commands.put(("abort", seq.request_id))
+                self._commands.put(("abort", rid))
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request by id, in any state. Idempotent."""
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request by id, in any state (its stream ends with finish reason
+        'abort'). Idempotent; returns whether the request was in flight here."""
+        found = request_id in self._streams
         self._commands.put(("abort", request_id))
+        return found
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def num_in_flight(self) -> int:
+        """Requests accepted and not finished (waiting, running, or being queued)."""
+        return len(self._streams)
+
+    def num_waiting_requests(self) -> int:
+        """Requests accepted but not scheduled yet (including those still being queued)."""
+        return sum(1 for _, r in list(self._streams.values())
+                   if r.seqs and r.seqs[0].first_scheduled_time is None)
+
+    def stats(self) -> dict:
+        """The engine's :meth:`~LLMEngine.stats` as of the last step or command (never
+        blocks on a running step), plus ``num_in_flight`` and ``num_step_errors``."""
+        s = dict(self._stats)
+        s.update(num_in_flight=self.num_in_flight(), num_step_errors=self.num_step_errors)
+        return s
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests (:class:`ShuttingDownError`); in-flight ones go on."""
+        self._accepting = False
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop accepting, then wait up to ``timeout`` s for in-flight requests to finish.
+        Returns True if none is left."""
+        self.stop_accepting()
+        end = time.monotonic() + timeout
+        while self._streams and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        return not self._streams
 
     def shutdown(self) -> None:
         """Stop the engine thread (in-flight requests are aborted)."""
+        self._accepting = False
         self._stopped = True
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
 
     # -- engine thread --------------------------------------------------------------------
+    def _snapshot(self) -> dict:
+        return self.engine.stats()
+
     def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the caller's loop is closed
-                pass
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            entry[0].put_threadsafe(item)
 
     def _handle(self, command) -> bool:
         kind, arg = command
         if kind == "add":
             try:
-                self.engine.add_sequence(arg)
+                self.engine.add(arg)
             except (ValueError, OverflowError) as e:
-                self._deliver(arg.request_id, e)
+                self._deliver(arg.request_id, QueueFullError(str(e)) if isinstance(e, OverflowError) else e)
         elif kind == "abort":
             out = self.engine.abort(arg)
             if out is not None:
                 self._deliver(arg, out)
         elif kind == "stop":
-            for rid in list(self.engine.requests):
-                out = self.engine.abort(rid)
-                if out is not None:
-                    self._deliver(rid, out)
+            self._abort_all()
             return False
         return True
+
+    def _abort_all(self, error: BaseException | None = None) -> None:
+        for rid in list(self.engine.requests):
+            out = self.engine.abort(rid)
+            if out is not None or error is not None:
+                self._deliver(rid, error if error is not None else out)
 
     def _loop(self) -> None:
         try:
@@ -132,9 +292,23 @@ class AsyncLLM:
                 except queue.Empty:
                     pass
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
+                    self._step()
+                self._stats = self._snapshot()
         except BaseException as e:  # noqa: BLE001 - fail every open stream, keep the error
             self._error = e
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"engine stopped: {e!r}"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
+            self.num_step_errors += 1
+            self._abort_all(EngineStepError(f"internal error in an engine step: {e!r}"))
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStepError", "QueueFullError", "RequestStream",
+           "RequestTimeoutError", "ShuttingDownError", "merge_deltas"]

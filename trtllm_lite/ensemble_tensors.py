@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -297,7 +297,7 @@ def _logit_bias(inputs, encode) -> dict[int, float]:
 
 
 # -- response --------------------------------------------------------------------------------
-def make_outputs(request: EnsembleRequest, text: str, *, num_input_tokens: int = 0,
+def make_outputs(request: EnsembleRequest, text: str | Sequence[str], *, num_input_tokens: int = 0,
                  num_output_tokens: int = 0, token_logprobs: list[float] | None = None,
                  times_ns: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     """Output tensors for one response.
@@ -305,7 +305,8 @@ def make_outputs(request: EnsembleRequest, text: str, *, num_input_tokens: int =
     Args:
         request: the parsed request (decides the batch dimension and optional outputs).
         text: the text to send: a delta when streaming; otherwise the whole output, to
-            which the prompt is prepended here unless ``exclude_input_in_output``.
+            which the prompt is prepended here unless ``exclude_input_in_output``. A list
+            holds one text per returned sequence (``num_return_sequences``).
         num_input_tokens, num_output_tokens: token counts (sent when asked for).
         token_logprobs: the log-prob of each output token in this response (sent when
             ``return_log_probs``; ``cum_log_probs`` is their sum).
@@ -314,12 +315,16 @@ def make_outputs(request: EnsembleRequest, text: str, *, num_input_tokens: int =
 
     Returns:
         ``{name: array}`` with the ensemble's dtypes; ``text_output`` is an object array of
-        UTF-8 ``bytes`` of shape ``[1, 1]`` (``[1]`` if the request had no batch dimension).
+        UTF-8 ``bytes`` of shape ``[1, k]`` for k texts (``[k]`` if the request had no batch
+        dimension).
     """
+    texts = [text] if isinstance(text, str) else list(text)
     if not request.stream and not request.exclude_input_in_output:
-        text = request.prompt + text
+        texts = [request.prompt + t for t in texts]
     lead = (1,) if request.batched else ()
-    out = {"text_output": np.array([text.encode("utf-8")], dtype=object).reshape(lead + (1,))}
+    encoded = np.empty(len(texts), dtype=object)
+    encoded[:] = [t.encode("utf-8") for t in texts]
+    out = {"text_output": encoded.reshape(lead + (len(texts),))}
     if request.return_log_probs:
         lp = np.asarray(token_logprobs or [], dtype=np.float32)
         out["output_log_probs"] = lp.reshape(lead + (1, lp.size))

@@ -1,0 +1,369 @@
+"""The gRPC service (``trtllm_lite.v1.LLMService``, health, reflection, limits, security,
+shutdown) against real server processes on 127.0.0.1: the SmolLM2 engine for generation,
+a tiny engine where only the plumbing matters. References: ``LLM.generate`` in this process."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from trtllm_lite import SamplingParams
+from trtllm_lite.serving.client import AsyncLLMClient, LLMClient
+from trtllm_lite.serving.process import ServerProcess, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+ENGINE_ARGS = ("--num-threads", "2", "--no-verify-checksums", "--num-kv-blocks", "512")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
+           "The best way to learn", "Water boils at", "import numpy as", "My favourite colour is"]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_engine):
+    with ServerProcess(smollm2_engine, *ENGINE_ARGS) as s:
+        yield s
+        assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with LLMClient(server.grpc, timeout=120) as c:
+        yield c
+
+
+def idle_blocks(client) -> bool:
+    info = client.model_info()
+    return info.kv_blocks_used == 0 and info.num_running == 0 and info.num_waiting == 0
+
+
+def greedy(max_tokens):
+    return dict(max_tokens=max_tokens, temperature=0.0)
+
+
+def joined(responses):
+    text, ids = "", []
+    for r in responses:
+        for o in r.outputs:
+            text += o.text
+            ids += list(o.token_ids)
+    return text, ids
+
+
+# -- stubs ---------------------------------------------------------------------------------
+def test_committed_stubs_match_proto():
+    from trtllm_lite.serving import protos
+    from trtllm_lite.serving.protos import generate
+
+    here = os.path.dirname(protos.__file__)
+    with open(os.path.join(here, "llm_service.proto"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(here, "PROTO_SHA256")) as f:
+        assert f.read().strip() == digest, "llm_service.proto changed: run python -m trtllm_lite.serving.protos.generate"
+    if importlib.util.find_spec("grpc_tools") is not None:
+        assert generate.main(["--check"]) == 0
+
+
+# -- generation ----------------------------------------------------------------------------
+def test_stream_equals_unary_equals_llm(client, smollm2_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = smollm2_llm.chat(messages, SamplingParams(**greedy(16)))[0].outputs[0]
+    responses = list(client.generate(messages=messages, **greedy(16)))
+    text, ids = joined(responses)
+    final = client.complete(messages=messages, **greedy(16))
+    assert ids == list(final.outputs[0].token_ids) == ref.token_ids
+    assert text == final.outputs[0].text == ref.text
+    assert "Paris" in text
+    last = responses[-1]
+    assert last.finished and last.outputs[0].finish_reason == ref.finish_reason == "stop"
+    assert all(not r.finished for r in responses[:-1])
+    assert last.usage.prompt_tokens == len(responses[0].prompt_token_ids) > 0
+    assert last.usage.completion_tokens == len(ids)
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (last.usage.prompt_tokens, len(ids))
+    assert final.usage.cached_tokens >= 16     # the second time, full prompt blocks come from the prefix cache
+    assert 0 < last.timing.ttft_ms <= last.timing.e2e_ms
+
+
+def test_token_id_prompt_and_length_finish(client, smollm2_llm):
+    ids = smollm2_llm.tokenizer.encode("Once upon a time")
+    ref = smollm2_llm.generate(ids, SamplingParams(**greedy(5)))[0].outputs[0]
+    out = client.complete(ids, **greedy(5)).outputs[0]
+    assert list(out.token_ids) == ref.token_ids and out.finish_reason == "length"
+
+
+def test_32_concurrent_streams_match_each_alone(server, smollm2_llm):
+    params = SamplingParams(**greedy(8))
+    alone = {p: smollm2_llm.generate(p, params)[0].outputs[0] for p in PROMPTS}
+
+    async def run_all():
+        async with AsyncLLMClient(server.grpc, timeout=240) as c:
+            async def one(prompt):
+                text, ids = "", []
+                async for r in c.generate(prompt, **greedy(8)):
+                    text += "".join(o.text for o in r.outputs)
+                    ids += [t for o in r.outputs for t in o.token_ids]
+                return prompt, text, ids
+            return await asyncio.gather(*[one(p) for p in PROMPTS * 4])
+
+    results = asyncio.run(run_all())
+    assert len(results) == 32
+    for prompt, text, ids in results:
+        assert ids == alone[prompt].token_ids, prompt
+        assert text == alone[prompt].text, prompt
+
+
+# -- cancellation and abort ----------------------------------------------------------------
+def test_cancel_mid_stream_frees_blocks(client):
+    assert wait_until(lambda: idle_blocks(client))
+    stream = client.generate("Tell me a long story about a dragon.", max_tokens=400, ignore_eos=True)
+    for _ in range(3):
+        next(stream)
+    assert client.model_info().kv_blocks_used > 0
+    stream.close()   # cancels the call
+    assert wait_until(lambda: idle_blocks(client), timeout=10)
+    assert client.complete("Hi", max_tokens=2).finished
+
+
+def test_50_cancellations_leak_nothing(client):
+    from trtllm_lite.serving.client import make_request
+
+    for i in range(50):
+        if i % 3:           # mid-stream, after the first delta
+            stream = client.generate(f"Count to one hundred: {i}", max_tokens=300, ignore_eos=True)
+            next(stream)
+            stream.close()
+        else:               # before any response: waiting or in prefill
+            call = client.stub.Generate(make_request(f"Count to ten: {i}", max_tokens=300, ignore_eos=True))
+            time.sleep(0.01 * (i % 4))
+            call.cancel()
+    assert wait_until(lambda: idle_blocks(client), timeout=15)
+    info = client.model_info()
+    assert info.kv_blocks_free == info.num_kv_blocks
+    assert client.complete("Hi", max_tokens=2).finished
+
+
+def test_abort_by_request_id_is_idempotent(server, client):
+    got = []
+
+    def consume():
+        got.extend(client.generate("Write an essay.", request_id="essay-1", max_tokens=400, ignore_eos=True))
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert wait_until(lambda: client.model_info().num_running == 1, timeout=30)
+    assert client.abort("essay-1") is True
+    t.join(30)
+    assert got and got[-1].finished and got[-1].outputs[0].finish_reason == "abort"
+    assert client.abort("essay-1") is False          # already finished
+    assert client.abort("no-such-request") is False
+    assert wait_until(lambda: idle_blocks(client))
+
+
+# -- errors --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompt="Hi", temperature=-1.0), "temperature"),
+    (dict(prompt="Hi", top_p=2.0), "top_p"),
+    (dict(prompt="Hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="Hi", seed=-3), "seed"),
+    (dict(prompt="Hi", stop_token_ids=[10 ** 6]), "stop_token_ids"),
+    (dict(prompt=[1, 2, 10 ** 6]), "vocabulary"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[1] * 1500), "1024"),                        # longer than max_seq_len
+    (dict(prompt=[1] * 1000, max_tokens=100), "max_seq_len"),
+    (dict(messages=[{"role": "user", "content": "Hi"}], n=0), "n"),
+])
+def test_bad_requests_are_invalid_argument(client, kwargs, field):
+    prompt = kwargs.pop("prompt", None)
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete(prompt, **kwargs)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+
+
+def test_missing_prompt_is_invalid_argument(client):
+    from trtllm_lite.serving.protos import llm_service_pb2 as pb
+
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.stub.Generate(pb.GenerateRequest(stream=True)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in e.value.details()
+
+
+def test_deadline_exceeded_aborts_request(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete("Write a poem.", max_tokens=400, ignore_eos=True, timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: idle_blocks(client), timeout=10)
+    assert client.complete("Hi", max_tokens=3).outputs[0].finish_reason in ("stop", "length")
+
+
+# -- model info, tokenizer, health, reflection, metrics ----------------------------------------
+def test_model_info_and_tokenizer(client, smollm2_llm):
+    info = client.model_info()
+    assert info.model_name == "smollm2" and info.num_layers == 30 and info.num_kv_heads == 3
+    assert info.max_seq_len == 1024 and info.block_size == 16 and info.num_kv_blocks == 512
+    assert info.kv_blocks_used + info.kv_blocks_free == info.num_kv_blocks
+    text = "Hello, world! Ünïcödé"
+    ids = client.tokenize(text)
+    assert ids == smollm2_llm.tokenizer.encode(text)
+    assert client.detokenize(ids) == smollm2_llm.tokenizer.decode(ids) == text
+
+
+def test_health_and_reflection(server, client):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    assert client.health() == "SERVING"
+    assert client.health("trtllm_lite.v1.LLMService") == "SERVING"
+    services = set(ProtoReflectionDescriptorDatabase(client.channel).get_services())
+    assert {"trtllm_lite.v1.LLMService", "inference.GRPCInferenceService", "grpc.health.v1.Health"} <= services
+
+
+def test_metrics_over_http(server, client):
+    client.complete("Hi", max_tokens=3)
+    with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as r:
+        body = r.read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+              if line.startswith("trtllm_lite_") and " " in line}
+    for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "time_per_output_token_seconds_count", "inter_token_latency_seconds_count",
+                 "request_queue_time_seconds_count", "prompt_tokens_total", "generation_tokens_total"):
+        assert values["trtllm_lite_" + name] > 0, name
+    assert values['trtllm_lite_request_outcomes_total{outcome="length"}'] >= 1
+    assert values['trtllm_lite_request_outcomes_total{outcome="invalid_argument"}'] >= 1
+    assert values['trtllm_lite_request_outcomes_total{outcome="cancelled"}'] >= 1
+    assert values["trtllm_lite_kv_cache_blocks_total"] == 512
+    assert "trtllm_lite_num_requests_running" in values and "trtllm_lite_kv_cache_usage_ratio" in values
+
+
+def test_client_cli_streams_the_answer(server, smollm2_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = smollm2_llm.chat(messages, SamplingParams(**greedy(12)))[0].outputs[0].text
+    out = subprocess.run([sys.executable, "-m", "trtllm_lite.cli", "client", "--server", server.grpc, "--chat",
+                          "--prompt", messages[0]["content"], "--stream", "--max-tokens", "12"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ref + "\n"
+
+
+# -- limits, security, shutdown (tiny engine: only the plumbing matters) ---------------------
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a self-signed certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem")], check=True, capture_output=True)
+    return str(d / "cert.pem"), str(d / "key.pem")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model, tls_files):
+    _, engine = tiny_model("llama-gqa")
+    cert, key = tls_files
+    with ServerProcess(engine, "--num-threads", "1", "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                       "--max-message-bytes", "65536", "--tls-cert", cert, "--tls-key", key,
+                       env={"TRTLLM_LITE_API_KEY": "s3cret"}) as s:
+        yield s, cert
+        assert s.stop() == 0
+
+
+def test_api_key_and_tls(tiny_server, tiny_model):
+    server, cert = tiny_server
+    hf, _ = tiny_model("llama-gqa")
+    with LLMClient(server.grpc, tls_root_cert=cert, timeout=30) as anonymous:
+        with pytest.raises(grpc.RpcError) as e:
+            anonymous.complete([1, 2, 3], max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            anonymous.model_info()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert anonymous.health() == "SERVING"          # health stays open
+    with LLMClient(server.grpc, tls_root_cert=cert, api_key="wrong", timeout=30) as wrong:
+        with pytest.raises(grpc.RpcError) as e:
+            wrong.complete([1, 2, 3], max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with LLMClient(server.grpc, api_key="s3cret", timeout=5) as plaintext:
+        with pytest.raises(grpc.RpcError) as e:
+            plaintext.complete([1, 2, 3], max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    with LLMClient(server.grpc, tls_root_cert=cert, api_key="s3cret", timeout=30) as c:
+        out = c.complete([1, 2, 3], max_tokens=4, temperature=0.0).outputs[0]
+        import torch
+
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
+        assert list(out.token_ids) == ref
+
+
+def test_queue_full_is_resource_exhausted(tiny_server):
+    server, cert = tiny_server
+
+    async def burst():
+        async with AsyncLLMClient(server.grpc, tls_root_cert=cert, api_key="s3cret", timeout=60) as c:
+            async def one(i):
+                try:
+                    r = await c.complete([1, 2, 3 + i], max_tokens=240, ignore_eos=True)
+                    return r.outputs[0].finish_reason
+                except grpc.RpcError as e:
+                    return e.code()
+            return await asyncio.gather(*[one(i) for i in range(8)])
+
+    outcomes = asyncio.run(burst())
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in outcomes
+    assert "length" in outcomes
+    assert set(outcomes) <= {"length", grpc.StatusCode.RESOURCE_EXHAUSTED}
+    with LLMClient(server.grpc, tls_root_cert=cert, api_key="s3cret", timeout=30) as c:
+        assert c.complete([1, 2], max_tokens=2).finished
+        assert wait_until(lambda: idle_blocks(c))
+
+
+def test_message_size_limit(tiny_server):
+    server, cert = tiny_server
+    with LLMClient(server.grpc, tls_root_cert=cert, api_key="s3cret", timeout=30) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete([200] * 40000, max_tokens=2)    # 2 bytes per id: ~80 KB > 64 KiB
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert c.complete([1, 2], max_tokens=2).finished
+
+
+def test_graceful_shutdown(smollm2_engine):
+    server = ServerProcess(smollm2_engine, *ENGINE_ARGS, "--shutdown-grace", "4", metrics=False)
+    results = {}
+    try:
+        with LLMClient(server.grpc, timeout=120) as c:
+            def consume(name, **kw):
+                try:
+                    results[name] = list(c.generate("Tell me about the sea.", **kw))[-1].outputs[0].finish_reason
+                except grpc.RpcError as e:
+                    results[name] = e.code()
+
+            short = threading.Thread(target=consume, args=("short",), kwargs=dict(max_tokens=12, ignore_eos=True))
+            long = threading.Thread(target=consume, args=("long",), kwargs=dict(max_tokens=900, ignore_eos=True))
+            long.start()
+            short.start()
+            assert wait_until(lambda: c.model_info().num_running == 2, timeout=30)
+            t0 = time.monotonic()
+            server.signal()
+            time.sleep(0.5)
+            with pytest.raises(grpc.RpcError) as refused:
+                c.complete("Hi", max_tokens=2)
+            short.join(60)
+            long.join(60)
+            rc = server.wait(60)
+            elapsed = time.monotonic() - t0
+    finally:
+        server.kill()
+    assert rc == 0
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert results["short"] == "length"                  # finished within the grace period
+    assert results["long"] in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, "abort")
+    assert elapsed < 30

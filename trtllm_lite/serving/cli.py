@@ -1,0 +1,74 @@
+"""``trtllm-lite serve``: serve an engine over gRPC (our API + KServe v2), with optional
+Prometheus metrics and OpenAI-compatible HTTP, until SIGTERM / SIGINT."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from .server import API_KEY_ENV, ServerConfig, serve
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``LLMEngine`` options, shared by the server and the benchmark."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", required=True, help="engine directory (trtllm-lite build)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: build value)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: build value)")
+    g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: build value)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="K and V pool memory (bytes)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
+    g.add_argument("--num-threads", type=int, default=None, help="backend threads (default: all cores)")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="never cut prompts into chunks")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks between prompts")
+    g.add_argument("--seed", type=int, default=None, help="seed for unseeded sampled requests")
+    g.add_argument("--no-verify-checksums", action="store_true", help="skip the sha256 check of engine files")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    opts = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len",
+                                          "kv_cache_memory_bytes", "num_kv_blocks", "num_threads", "seed")
+            if getattr(args, k) is not None}
+    if args.no_chunked_prefill:
+        opts["enable_chunked_prefill"] = False
+    if args.no_prefix_caching:
+        opts["enable_prefix_caching"] = False
+    if args.no_verify_checksums:
+        opts["verify_checksums"] = False
+    return opts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
+    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port (0: pick one)")
+    g.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (0: pick one)")
+    g.add_argument("--served-model-name", default=None, help="model name for clients (default: engine dir name)")
+    g.add_argument("--api-key", default=None, help=f"require this key from clients (default: ${API_KEY_ENV})")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
+    g.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests waiting to be scheduled at most; more get RESOURCE_EXHAUSTED / 429")
+    g.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest gRPC message (bytes)")
+    g.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run at most")
+    g.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM / SIGINT")
+    g.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        engine_dir=args.engine, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        http_port=args.http_port, served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, tls_cert=args.tls_cert,
+        tls_key=args.tls_key, max_waiting_requests=args.max_waiting_requests,
+        max_message_bytes=args.max_message_bytes, request_timeout=args.request_timeout,
+        shutdown_grace=args.shutdown_grace, engine_options=engine_options(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config_from_args(args)))

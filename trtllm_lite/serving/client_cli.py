@@ -1,0 +1,65 @@
+"""``trtllm-lite client``: send a prompt to a running ``trtllm-lite serve`` and print the
+answer (as it is generated with ``--stream``)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from .server import API_KEY_ENV
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--server", default="127.0.0.1:50051", help="host:port of the gRPC server")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline (seconds)")
+    p.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
+    p.add_argument("--tls-root-cert", default=None, help="PEM certificate to trust (enables TLS)")
+    p.add_argument("--stats", action="store_true", help="print usage and timing to stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .client import LLMClient
+
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, stop=args.stop)
+    prompt, messages = args.prompt, None
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = None
+    client = LLMClient(args.server, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                       tls_root_cert=args.tls_root_cert, timeout=args.timeout)
+    try:
+        if args.stream:
+            last = None
+            for last in client.generate(prompt, messages=messages, **sampling):
+                for o in last.outputs:
+                    sys.stdout.write(o.text)
+                sys.stdout.flush()
+        else:
+            last = client.complete(prompt, messages=messages, **sampling)
+            sys.stdout.write("".join(o.text for o in last.outputs))
+        sys.stdout.write("\n")
+        if args.stats and last is not None:
+            u, t = last.usage, last.timing
+            print(f"[finish {last.outputs[0].finish_reason if last.outputs else ''}, prompt {u.prompt_tokens}, "
+                  f"completion {u.completion_tokens}, cached {u.cached_tokens} tokens; ttft {t.ttft_ms:.0f} ms, "
+                  f"e2e {t.e2e_ms:.0f} ms, tpot {t.tpot_ms:.1f} ms]", file=sys.stderr)
+    except grpc.RpcError as e:
+        print(f"trtllm-lite client: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0

@@ -1,0 +1,222 @@
+"""What every front end (gRPC ``LLMService``, KServe v2, OpenAI HTTP) shares: one
+``AsyncLLM``, prompt building (text, token ids, chat), error classes with their gRPC / HTTP
+codes, per-request metrics, and the accumulation of streamed deltas into a final result.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping
+
+from ..async_llm import (AsyncLLM, EngineDeadError, EngineStepError, QueueFullError,
+                         RequestTimeoutError, ShuttingDownError)
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+from .metrics import Metrics
+from .params import make_sampling_params
+
+
+class ErrorKind(enum.Enum):
+    """A request's failure, named as gRPC status codes name it; ``http`` is the HTTP status."""
+
+    INVALID_ARGUMENT = 400
+    UNAUTHENTICATED = 401
+    NOT_FOUND = 404
+    RESOURCE_EXHAUSTED = 429
+    INTERNAL = 500
+    UNAVAILABLE = 503
+    DEADLINE_EXCEEDED = 504
+
+    @property
+    def http(self) -> int:
+        return self.value
+
+
+def classify(error: BaseException) -> ErrorKind:
+    """The :class:`ErrorKind` of an exception raised while serving a request."""
+    if isinstance(error, (QueueFullError, OverflowError)):
+        return ErrorKind.RESOURCE_EXHAUSTED
+    if isinstance(error, (RequestTimeoutError, asyncio.TimeoutError)):
+        return ErrorKind.DEADLINE_EXCEEDED
+    if isinstance(error, ShuttingDownError):
+        return ErrorKind.UNAVAILABLE
+    if isinstance(error, (EngineDeadError, EngineStepError)):
+        return ErrorKind.INTERNAL
+    if isinstance(error, (ValueError, TypeError)):
+        return ErrorKind.INVALID_ARGUMENT
+    return ErrorKind.INTERNAL
+
+
+@dataclass
+class SequenceResult:
+    """One sequence's accumulated output."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Accumulator:
+    """Joins the deltas of one request: whole text/tokens per sequence, usage, timing."""
+
+    def __init__(self):
+        self.seqs: dict[int, SequenceResult] = {}
+        self.last: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.last = out
+        for o in out.outputs:
+            s = self.seqs.setdefault(o.index, SequenceResult(o.index))
+            s.text += o.text
+            s.token_ids += o.token_ids
+            if o.logprobs is not None:
+                s.logprobs = (s.logprobs or []) + o.logprobs
+            s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.last.prompt_token_ids) if self.last else 0
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs.values())
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.last.num_cached_tokens if self.last else 0
+
+    def results(self) -> list[SequenceResult]:
+        return [self.seqs[i] for i in sorted(self.seqs)]
+
+    def timing_ms(self) -> dict[str, float]:
+        """``ttft_ms``, ``e2e_ms``, ``queue_ms``, ``tpot_ms`` from the engine's metrics."""
+        m = self.last.metrics if self.last else None
+        if m is None:
+            return {}
+        ttft, e2e = m.ttft, m.e2e
+        queue = None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time
+        longest = max((len(s.token_ids) for s in self.seqs.values()), default=0)
+        tpot = (e2e - ttft) / (longest - 1) if ttft is not None and e2e is not None and longest > 1 else None
+        return {k: v * 1e3 for k, v in (("ttft_ms", ttft), ("e2e_ms", e2e), ("queue_ms", queue),
+                                        ("tpot_ms", tpot)) if v is not None}
+
+
+class EngineService:
+    """One engine served to many front ends.
+
+    Args:
+        llm: the running ``AsyncLLM``.
+        model_name: the name clients use for the model.
+        metrics: where request metrics go.
+        request_timeout: seconds a request may run at most (None: no server limit); a
+            client deadline that is shorter wins.
+    """
+
+    def __init__(self, llm: AsyncLLM, model_name: str, metrics: Metrics,
+                 request_timeout: float | None = None):
+        self.llm = llm
+        self.model_name = model_name
+        self.metrics = metrics
+        self.request_timeout = request_timeout
+        metrics.bind(llm)
+
+    @property
+    def tokenizer(self):
+        if self.llm.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: send token ids")
+        return self.llm.tokenizer
+
+    # -- requests -------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (as
+        ``LLM.chat``). Raises ``ValueError`` for malformed messages or no template."""
+        if not messages:
+            raise ValueError("messages is empty")
+        text = self.tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def sampling_params(self, values: Mapping[str, Any]) -> SamplingParams:
+        return make_sampling_params(values)
+
+    def timeout(self, client_timeout: float | None) -> float | None:
+        limits = [t for t in (client_timeout, self.request_timeout) if t is not None]
+        return min(limits) if limits else None
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """``AsyncLLM.generate`` with metrics; same deltas, same exceptions.
+
+        Close it (``contextlib.aclosing``) or cancel its consumer to abort the request.
+        """
+        outcome = "internal"
+        last_token_time = None
+        acc = Accumulator()
+        try:
+            gen = self.llm.generate(prompt, params, request_id, timeout=self.timeout(timeout))
+            async with aclosing(gen):
+                async for out in gen:
+                    now = time.monotonic()
+                    if any(o.token_ids for o in out.outputs):
+                        if last_token_time is not None:
+                            self.metrics.inter_token_latency.observe(now - last_token_time)
+                        last_token_time = now
+                    acc.add(out)
+                    if out.finished:
+                        outcome = None
+                        self.metrics.record_finished(acc)
+                    yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        except BaseException as e:
+            outcome = classify(e).name.lower()
+            raise
+        finally:
+            if outcome is not None:
+                self.metrics.record_failed(outcome)
+
+    async def generate_all(self, prompt, params: SamplingParams, request_id: str | None = None,
+                           timeout: float | None = None) -> Accumulator:
+        """Run a request to the end; return its accumulated result."""
+        acc = Accumulator()
+        async with aclosing(self.generate(prompt, params, request_id, timeout)) as gen:
+            async for out in gen:
+                acc.add(out)
+        return acc
+
+    # -- engine facts ---------------------------------------------------------------------
+    def model_info(self) -> dict[str, Any]:
+        """Model and engine configuration, limits in force, KV pool and scheduler state."""
+        engine = self.llm.engine
+        model, build, sched = engine.model_config, engine.engine.build, engine.scheduler_config
+        stats = self.llm.stats()
+        return {
+            "model_name": self.model_name, "architecture": model.get("architecture", ""),
+            "backend": build.get("backend", ""), "dtype": build.get("dtype", ""),
+            **{k: model.get(k, 0) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                             "head_dim", "vocab_size")},
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_seq_len": sched.max_seq_len, "max_waiting_requests": self.llm.max_waiting_requests or 0,
+            "block_size": engine.block_size, "num_kv_blocks": stats["num_blocks"],
+            "kv_blocks_used": stats["blocks_used"], "kv_blocks_free": stats["blocks_free"],
+            "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
+            "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
+            "model": model, "build": build,
+        }
+
+
+def completion_logprobs(o: CompletionOutput | SequenceResult, token_ids: list[int]) -> list[tuple]:
+    """Per token: ``(token_id, logprob, [(top token, logprob), ...] by rank)``."""
+    out = []
+    for token, entry in zip(token_ids, o.logprobs or []):
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 1 << 30, -kv[1].logprob))
+        chosen = entry.get(token)
+        out.append((token, chosen.logprob if chosen else float("nan"),
+                    [(t, lp.logprob) for t, lp in ranked]))
+    return out

@@ -1,0 +1,186 @@
+"""The ``trtllm_lite.v1.LLMService`` servicer (``protos/llm_service.proto``) on ``grpc.aio``."""
+from __future__ import annotations
+
+import json
+import math
+import uuid
+
+import grpc
+
+from .engine_service import Accumulator, EngineService, ErrorKind, classify, completion_logprobs
+from .params import SAMPLING_FIELDS
+from .protos import llm_service_pb2 as pb
+from .protos import llm_service_pb2_grpc as pb_grpc
+
+_MAP_FIELDS = {"logit_bias"}
+_REPEATED_FIELDS = {"stop", "stop_token_ids", "bad_words"}
+
+
+def sampling_values(msg: pb.SamplingParams) -> dict:
+    """The fields a client set in a ``SamplingParams`` message, under vLLM names."""
+    values = {}
+    for name in SAMPLING_FIELDS:
+        if name in _MAP_FIELDS:
+            if len(getattr(msg, name)):
+                values[name] = dict(getattr(msg, name))
+        elif name in _REPEATED_FIELDS:
+            if len(getattr(msg, name)):
+                values[name] = list(getattr(msg, name))
+        elif msg.HasField(name):
+            values[name] = getattr(msg, name)
+    return values
+
+
+def sampling_message(**values) -> pb.SamplingParams:
+    """A ``SamplingParams`` message from vLLM-named keyword arguments (None: unset).
+
+    Raises:
+        ValueError: an unknown parameter name.
+    """
+    msg = pb.SamplingParams()
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name not in SAMPLING_FIELDS:
+            raise ValueError(f"unknown sampling parameter {name!r}")
+        if name in _MAP_FIELDS:
+            getattr(msg, name).update({int(k): float(v) for k, v in value.items()})
+        elif name in _REPEATED_FIELDS:
+            getattr(msg, name).extend([value] if isinstance(value, str) else value)
+        else:
+            setattr(msg, name, value)
+    return msg
+
+
+def _logprobs_pb(entries) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=k, logprob=v) for k, v in top])
+            for t, lp, top in entries]
+
+
+def _completion_pb(o, with_logprobs: bool) -> pb.CompletionOutput:
+    msg = pb.CompletionOutput(index=o.index, text=o.text, token_ids=o.token_ids,
+                              finish_reason=o.finish_reason or "")
+    if isinstance(o.stop_reason, str):
+        msg.stop_string = o.stop_reason
+    elif o.stop_reason is not None:
+        msg.stop_token_id = int(o.stop_reason)
+    if with_logprobs and o.logprobs:
+        msg.logprobs.extend(_logprobs_pb(completion_logprobs(o, o.token_ids)))
+    return msg
+
+
+def _prompt_logprobs_pb(out, prompt_ids: list[int]) -> list[pb.TokenLogprobs]:
+    entries = []
+    for token, entry in zip(prompt_ids, out.prompt_logprobs or []):
+        if entry is None:  # the first prompt token has no distribution
+            entries.append(pb.TokenLogprobs(token_id=token, logprob=math.nan))
+            continue
+        chosen = entry.get(token)
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 1 << 30, -kv[1].logprob))
+        entries.append(pb.TokenLogprobs(token_id=token, logprob=chosen.logprob if chosen else math.nan,
+                                        top=[pb.TopLogprob(token_id=t, logprob=lp.logprob) for t, lp in ranked]))
+    return entries
+
+
+def _final_fields(resp: pb.GenerateResponse, acc: Accumulator) -> None:
+    resp.usage.CopyFrom(pb.Usage(prompt_tokens=acc.num_prompt_tokens,
+                                 completion_tokens=acc.num_completion_tokens,
+                                 cached_tokens=acc.num_cached_tokens))
+    resp.timing.CopyFrom(pb.Timing(**acc.timing_ms()))
+
+
+class LLMServicer(pb_grpc.LLMServiceServicer):
+    """Generate / Abort / GetModelInfo / Tokenize / Detokenize over an :class:`EngineService`."""
+
+    def __init__(self, service: EngineService):
+        self.service = service
+
+    async def _fail(self, context, error: BaseException, record: bool = False):
+        kind = classify(error)
+        if record:
+            self.service.metrics.record_failed(kind.name.lower())
+        await context.abort(grpc.StatusCode[kind.name], str(error) or type(error).__name__)
+
+    def _prompt(self, request: pb.GenerateRequest):
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            return request.text
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if which == "chat":
+            chat = request.chat
+            add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+            return self.service.chat_prompt([{"role": m.role, "content": m.content} for m in chat.messages], add)
+        raise ValueError("prompt is missing: set text, token_ids or chat")
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        try:
+            prompt = self._prompt(request)
+            params = self.service.sampling_params(sampling_values(request.sampling_params))
+        except Exception as e:  # noqa: BLE001 - every request error becomes a status
+            await self._fail(context, e, record=True)
+        rid = request.request_id or uuid.uuid4().hex
+        acc = Accumulator()
+        first = True
+        try:
+            async for out in self.service.generate(prompt, params, rid, context.time_remaining()):
+                acc.add(out)
+                if not request.stream and not out.finished:
+                    continue
+                resp = self._response(out, acc, request.stream, first, params.logprobs is not None)
+                first = False
+                yield resp
+        except Exception as e:  # noqa: BLE001
+            await self._fail(context, e)
+
+    def _response(self, out, acc: Accumulator, stream: bool, first: bool, logprobs: bool) -> pb.GenerateResponse:
+        outputs = out.outputs if stream else acc.results()
+        resp = pb.GenerateResponse(request_id=out.request_id, finished=out.finished,
+                                   outputs=[_completion_pb(o, logprobs) for o in outputs])
+        if first:
+            resp.prompt_token_ids.extend(out.prompt_token_ids)
+            if out.prompt_logprobs:
+                resp.prompt_logprobs.extend(_prompt_logprobs_pb(out, out.prompt_token_ids))
+        if out.finished:
+            _final_fields(resp, acc)
+        return resp
+
+    async def Abort(self, request: pb.AbortRequest, context):
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        return pb.AbortResponse(found=await self.service.llm.abort(request.request_id))
+
+    async def GetModelInfo(self, request, context):
+        info = self.service.model_info()
+        config = json.dumps({"model": info.pop("model"), "build": info.pop("build")})
+        return pb.ModelInfo(engine_config_json=config, **info)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context):
+        try:
+            which = request.WhichOneof("input")
+            if which == "chat":
+                chat = request.chat
+                add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+                ids = self.service.chat_prompt([{"role": m.role, "content": m.content} for m in chat.messages], add)
+            else:
+                special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = self.service.tokenizer.encode(request.text, add_special_tokens=special)
+        except Exception as e:  # noqa: BLE001
+            await self._fail(context, e)
+        return pb.TokenizeResponse(token_ids=ids, max_seq_len=self.service.llm.engine.scheduler_config.max_seq_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context):
+        try:
+            vocab = self.service.llm.engine.model_config["vocab_size"]
+            bad = [t for t in request.token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
+            skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            text = self.service.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        except Exception as e:  # noqa: BLE001
+            await self._fail(context, e)
+        return pb.DetokenizeResponse(text=text)
+
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LLMService"].full_name
+__all__ = ["LLMServicer", "SERVICE_NAME", "sampling_message", "sampling_values", "ErrorKind"]

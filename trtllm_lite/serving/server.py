@@ -1,0 +1,221 @@
+"""The serving process: one engine, a ``grpc.aio`` server with our API, KServe v2, health
+and reflection, Prometheus metrics over HTTP, and graceful shutdown.
+
+Security defaults: binds 127.0.0.1 unless ``host`` says otherwise; optional TLS
+(``tls_cert`` + ``tls_key``, PEM files); optional API key, sent as metadata
+``authorization: Bearer KEY`` (or ``x-api-key: KEY``). Without it every call is
+UNAUTHENTICATED except the health service, which load balancers must reach.
+
+Shutdown (SIGTERM / SIGINT): health turns NOT_SERVING, new requests are refused, in-flight
+ones get ``shutdown_grace`` seconds to finish, the rest are aborted, and :func:`serve`
+returns 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ..async_llm import AsyncLLM
+from . import grpc_servicer, kserve
+from .engine_service import EngineService
+from .metrics import Metrics
+from .protos import llm_service_pb2_grpc
+
+log = logging.getLogger("trtllm_lite.serving")
+API_KEY_ENV = "TRTLLM_LITE_API_KEY"
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+@dataclass
+class ServerConfig:
+    """How to serve an engine.
+
+    Args:
+        engine_dir: the engine directory.
+        host: interface to bind (127.0.0.1: this machine only).
+        port: gRPC port (0: pick a free one; the chosen port is printed).
+        metrics_port: Prometheus HTTP port (None: off; 0: pick one).
+        http_port: OpenAI-compatible HTTP port (None: off; 0: pick one).
+        served_model_name: the model's name for clients (default: the engine directory's name).
+        api_key: required from clients when set.
+        tls_cert, tls_key: PEM files; both or neither.
+        max_waiting_requests: requests waiting to be scheduled at most (RESOURCE_EXHAUSTED beyond).
+        max_message_bytes: largest gRPC message received or sent (bytes).
+        request_timeout: seconds a request may run at most (None: no limit).
+        shutdown_grace: seconds in-flight requests get to finish on SIGTERM / SIGINT.
+        engine_options: ``LLMEngine`` keyword arguments (max_num_seqs, num_threads, ...).
+    """
+
+    engine_dir: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None
+    http_port: int | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_waiting_requests: int | None = 256
+    max_message_bytes: int = 16 << 20
+    request_timeout: float | None = None
+    shutdown_grace: float = 30.0
+    stream_queue_size: int = 64
+    engine_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.served_model_name is None:
+            self.served_model_name = os.path.basename(os.path.normpath(self.engine_dir))
+
+
+def _key_ok(metadata, api_key: str) -> bool:
+    for key, value in metadata or ():
+        if key == "authorization" and value.startswith("Bearer "):
+            if hmac.compare_digest(value[7:].encode(), api_key.encode()):
+                return True
+        elif key == "x-api-key" and hmac.compare_digest(value.encode(), api_key.encode()):
+            return True
+    return False
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call without the API key, except health checks."""
+
+    def __init__(self, api_key: str):
+        self.api_key = api_key
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_OPEN_PREFIXES) or _key_ok(details.invocation_metadata,
+                                                                                    self.api_key):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong API key (send 'authorization: Bearer KEY')")
+
+        async def deny_stream(request, context):
+            await deny(request, context)
+            yield  # pragma: no cover - never reached
+
+        kw = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny, **kw)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+        return grpc.unary_unary_rpc_method_handler(deny, **kw)
+
+
+def _credentials(config: ServerConfig):
+    if not config.tls_cert:
+        return None
+    with open(config.tls_key, "rb") as f:
+        key = f.read()
+    with open(config.tls_cert, "rb") as f:
+        cert = f.read()
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+class Server:
+    """A running serving process's parts; :meth:`start` and :meth:`stop` (graceful)."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        opts = dict(config.engine_options)
+        self.llm = AsyncLLM(config.engine_dir, max_waiting_requests=config.max_waiting_requests,
+                            stream_queue_size=config.stream_queue_size, **opts)
+        self.metrics = Metrics()
+        self.service = EngineService(self.llm, config.served_model_name, self.metrics, config.request_timeout)
+        self.health = health.aio.HealthServicer()
+        self.grpc_server: grpc.aio.Server | None = None
+        self.http = None
+        self.addresses: dict[str, str] = {}
+        self._metrics_http = None
+
+    async def start(self) -> dict[str, str]:
+        """Start every listener; return ``{"grpc": "host:port", "metrics": ..., "http": ...}``."""
+        c = self.config
+        options = [("grpc.max_receive_message_length", c.max_message_bytes),
+                   ("grpc.max_send_message_length", c.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        interceptors = [ApiKeyInterceptor(c.api_key)] if c.api_key else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
+        llm_service_pb2_grpc.add_LLMServiceServicer_to_server(grpc_servicer.LLMServicer(self.service), server)
+        kserve.kpb_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(self.service), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (grpc_servicer.SERVICE_NAME, kserve.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        address = f"{c.host}:{c.port}" if ":" not in c.host else f"[{c.host}]:{c.port}"
+        creds = _credentials(c)
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+        await server.start()
+        self.grpc_server = server
+        self.addresses["grpc"] = f"{c.host}:{port}"
+        for name in ("", grpc_servicer.SERVICE_NAME, kserve.SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if c.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self._metrics_http, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
+            self.addresses["metrics"] = f"{c.host}:{self._metrics_http.server_address[1]}"
+        if c.http_port is not None:
+            from .http import HttpFrontEnd
+
+            self.http = HttpFrontEnd(self.service, c)
+            self.addresses["http"] = await self.http.start()
+        return self.addresses
+
+    async def stop(self) -> None:
+        """Graceful: NOT_SERVING, refuse new requests, let in-flight ones finish within the
+        grace period, abort the rest, stop the engine."""
+        await self.health.enter_graceful_shutdown()
+        self.llm.stop_accepting()
+        grace = self.config.shutdown_grace
+        waits = []
+        if self.grpc_server is not None:
+            waits.append(self.grpc_server.stop(grace))
+        if self.http is not None:
+            waits.append(self.http.stop(grace))
+        await asyncio.gather(*waits)
+        self.llm.shutdown()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+
+
+async def serve(config: ServerConfig, ready_file=None) -> int:
+    """Run until SIGTERM / SIGINT, then shut down gracefully; return the exit code (0).
+
+    Prints one line ``trtllm-lite serving {json of addresses}`` to ``ready_file`` (default
+    stdout) once every listener is up.
+    """
+    server = Server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        addresses = await server.start()
+        print(f"trtllm-lite serving {json.dumps(addresses)}", file=ready_file or sys.stdout, flush=True)
+        log.info("serving %s as %r on %s", config.engine_dir, config.served_model_name, addresses)
+        await stop.wait()
+        log.info("shutting down (grace %.0f s)", config.shutdown_grace)
+    finally:
+        await server.stop()
+    return 0
