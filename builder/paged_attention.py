@@ -163,6 +163,8 @@ def make_onnx_function(opset: int | None = None):
     new_ok = w.op("LessOrEqual", w.op("Unsqueeze", j, zero), w.op("Unsqueeze", j, one))  # [Q, Q]
     new_ok = w.op("Expand", w.op("Unsqueeze", new_ok, zero), w.op("Concat", num_seqs, qmax, qmax, axis=0))
     mask = w.op("Unsqueeze", w.op("Concat", ctx_ok, new_ok, axis=2), i64([1, 2]))  # [S,1,1,Q,L]
+    # additive bias (0 / -inf): one broadcast Add on the scores is much cheaper than Where
+    bias = w.op("Where", mask, w.const(0.0, np.float32), w.const(-np.inf, np.float32))
 
     # --- scores and softmax, grouped by KV head: [S, Hkv, G*Q, L]
     q5 = w.op("Reshape", q_pad, w.op("Concat", num_seqs, qmax, kv_heads, group, head_dim, axis=0))
@@ -174,8 +176,7 @@ def make_onnx_function(opset: int | None = None):
                                                 type=AttributeProto.FLOAT))
     scores = w.op("Mul", w.op("MatMul", q4, k_t), scale)
     scores5 = w.op("Reshape", scores, w.op("Concat", num_seqs, kv_heads, group, qmax, neg1, axis=0))
-    neg_inf = w.const(-np.inf, np.float32)
-    probs = w.op("Softmax", w.op("Where", mask, scores5, neg_inf), axis=-1)    # [S, Hkv, G, Q, L]
+    probs = w.op("Softmax", w.op("Add", scores5, bias), axis=-1)               # [S, Hkv, G, Q, L]
     probs4 = w.op("Reshape", probs, w.op("Concat", num_seqs, kv_heads, neg1, w.op("Shape", keys, start=1, end=2), axis=0))
     o = w.op("MatMul", probs4, w.op("Transpose", values, perm=[0, 2, 1, 3]))   # [S, Hkv, G*Q, D]
     o5 = w.op("Reshape", o, w.op("Concat", num_seqs, kv_heads, group, qmax, head_dim, axis=0))
