@@ -1,0 +1,251 @@
+"""KServe v2 (``inference.GRPCInferenceService``) with the TensorRT-LLM ensemble's tensors,
+driven by the stock ``tritonclient.grpc`` against a real server process on 127.0.0.1 with
+the SmolLM2 engine; references are ``LLM.generate`` in this process. Also the numpy
+conversion of :mod:`trtllm_lite.ensemble_tensors` on its own."""
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+from trtllm_lite import SamplingParams
+from trtllm_lite import ensemble_tensors as et
+from trtllm_lite.serving.params import make_sampling_params
+
+pytestmark = pytest.mark.timeout(300)
+tg = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+PROMPT = "The capital of France is"
+
+
+# -- ensemble_tensors (no server) ----------------------------------------------------------
+def test_bytes_tensor_round_trip():
+    items = np.array([["héllo", ""], ["日本", "a\x00b"]], dtype=object)
+    raw = et.serialize_bytes_tensor(items)
+    assert raw[:4] == (6).to_bytes(4, "little") and raw[4:10] == "héllo".encode()
+    back = et.deserialize_bytes_tensor(raw, (2, 2))
+    assert [[b.decode() for b in row] for row in back] == items.tolist()
+    with pytest.raises(ValueError, match="truncated"):
+        et.deserialize_bytes_tensor(raw[:-1])
+    with pytest.raises(ValueError, match="shape"):
+        et.deserialize_bytes_tensor(raw, (3,))
+
+
+def obj(*items):
+    a = np.empty((1, len(items)), dtype=object)
+    a[0, :] = [s.encode() for s in items]
+    return a
+
+
+def test_parse_inputs_maps_to_sampling_params():
+    req = et.parse_inputs({
+        "text_input": obj(PROMPT), "max_tokens": np.array([[7]], np.int32), "stream": np.array([[True]]),
+        "temperature": np.array([[0.5]], np.float32), "top_k": np.array([[4]], np.int32),
+        "top_p": np.array([[0.9]], np.float32), "seed": np.array([[11]], np.uint64),
+        "stop_words": obj("\n", ""), "num_return_sequences": np.array([[2]], np.int32),
+        "end_id": np.array([[2]], np.int32), "return_log_probs": np.array([[True]]),
+        "embedding_bias_words": obj("ab"), "embedding_bias_weights": np.array([[1.5]], np.float32),
+    }, encode=lambda s: [ord(c) for c in s])
+    assert req.prompt == PROMPT and req.stream and req.batched and req.return_log_probs
+    p = make_sampling_params(req.sampling)
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.n, p.logprobs) == (7, 0.5, 4, 11, 2, 1)
+    assert p.top_p == pytest.approx(0.9) and p.stop == ["\n"] and p.stop_token_ids == [2]
+    assert p.logit_bias == {ord("a"): 1.5, ord("b"): 1.5}
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"text_input": obj(PROMPT)}, "'max_tokens' is required"),
+    ({"text_input": obj(PROMPT), "max_tokens": np.array([[1.5]], np.float32)}, "'max_tokens' must be an integer"),
+    ({"text_input": obj(PROMPT, PROMPT).reshape(2, 1), "max_tokens": np.array([[1], [1]], np.int32)}, "batch of 2"),
+    ({"text_input": obj(PROMPT), "max_tokens": np.array([[1]], np.int32), "foo": np.array([1])}, "unknown input"),
+    ({"text_input": np.array([[b"\xff"]], dtype=object), "max_tokens": np.array([[1]], np.int32)}, "UTF-8"),
+    ({"text_input": obj(PROMPT), "max_tokens": np.array([[1]], np.int32), "beam_width": np.array([[2]], np.int32)},
+     "beam_width"),
+    ({"text_input": obj(PROMPT), "max_tokens": np.array([[1]], np.int32), "stream": np.array([[1]], np.int32)},
+     "'stream' must be BOOL"),
+])
+def test_parse_inputs_errors_name_the_tensor(inputs, message):
+    with pytest.raises(ValueError, match=message):
+        et.parse_inputs(inputs)
+
+
+def test_make_outputs_shapes_and_prompt_echo():
+    req = et.EnsembleRequest(prompt="Q: ", return_num_output_tokens=True, return_log_probs=True)
+    out = et.make_outputs(req, "A", num_output_tokens=1, token_logprobs=[-0.5])
+    assert out["text_output"].shape == (1, 1) and out["text_output"][0, 0] == b"Q: A"
+    assert out["num_output_tokens"].tolist() == [[1]] and out["cum_log_probs"].tolist() == [[-0.5]]
+    req.exclude_input_in_output, req.batched = True, False
+    assert et.make_outputs(req, ["A", "B"])["text_output"].tolist() == [b"A", b"B"]
+    for spec in et.INPUTS + et.OUTPUTS:
+        assert spec.datatype in et.CONFIG_DATA_TYPE and spec.datatype in et.NUMPY_DTYPE
+
+
+# -- the server ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(smollm2_engine):
+    from trtllm_lite.serving.process import ServerProcess
+
+    with ServerProcess(smollm2_engine, "--num-threads", "2", "--no-verify-checksums", "--num-kv-blocks", "512",
+                       metrics=False) as s:
+        yield s
+        assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def triton(server):
+    client = tg.InferenceServerClient(server.grpc)
+    yield client
+    client.close()
+
+
+def tensors(prompt=PROMPT, max_tokens=12, **extra):
+    """Inputs the way TensorRT-LLM's Triton examples build them: batch dimension 1."""
+    values = {"text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[max_tokens]], np.int32),
+              "temperature": np.array([[0.0]], np.float32), **extra}
+    out = []
+    for name, value in values.items():
+        t = tg.InferInput(name, value.shape, et.INPUTS_BY_NAME[name].datatype)
+        t.set_data_from_numpy(value)
+        out.append(t)
+    return out
+
+
+def flag(v):
+    return np.array([[v]], dtype=bool)
+
+
+class Stream:
+    """Collects ``async_stream_infer`` callbacks by request id."""
+
+    def __init__(self, client):
+        self.client = client
+        self.q: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: self.q.put((result, error)))
+
+    def collect(self, ids, num_errors=0, timeout=120):
+        """({id: joined pieces}, [error messages]) once every id got its final response and
+        ``num_errors`` errors came (tritonclient's stream errors carry no request id)."""
+        texts = {i: [] for i in ids}
+        errors, open_ids = [], set(ids)
+        while open_ids or len(errors) < num_errors:
+            result, error = self.q.get(timeout=timeout)
+            if error is not None:
+                errors.append(str(error))
+                continue
+            resp = result.get_response()
+            out = result.as_numpy("text_output")
+            if out is not None:
+                texts[resp.id].extend(t.decode() for t in out.reshape(-1))
+            if resp.parameters["triton_final_response"].bool_param:
+                open_ids.discard(resp.id)
+        return texts, errors
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_llm):
+    return smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
+
+
+def test_health_and_metadata(triton):
+    assert triton.is_server_live() and triton.is_server_ready()
+    assert triton.is_model_ready("ensemble") and triton.is_model_ready("smollm2")
+    assert not triton.is_model_ready("no-such-model")
+    meta = triton.get_model_metadata("ensemble")
+    assert {"text_input", "max_tokens", "stream", "stop_words"} <= {i.name for i in meta.inputs}
+    assert [o.name for o in meta.outputs][0] == "text_output"
+    config = triton.get_model_config("ensemble").config
+    assert config.model_transaction_policy.decoupled
+    with pytest.raises(InferenceServerException) as e:
+        triton.get_model_metadata("no-such-model")
+    assert "NOT_FOUND" in str(e.value.status())
+
+
+def test_infer_and_stream_give_the_llm_text(triton, reference):
+    r = triton.infer("ensemble", tensors(exclude_input_in_output=flag(True), return_num_input_tokens=flag(True),
+                                         return_num_output_tokens=flag(True)))
+    assert r.as_numpy("text_output").reshape(-1)[0].decode() == reference.text
+    assert r.as_numpy("num_output_tokens").reshape(-1)[0] == len(reference.token_ids)
+    assert r.as_numpy("num_input_tokens").reshape(-1)[0] == 5
+    echoed = triton.infer("ensemble", tensors()).as_numpy("text_output").reshape(-1)[0].decode()
+    assert echoed == PROMPT + reference.text          # TensorRT-LLM's default: prompt included
+
+    s = Stream(triton)
+    try:
+        triton.async_stream_infer("ensemble", tensors(stream=flag(True)), request_id="s1")
+        texts, errors = s.collect(["s1"])
+        pieces = texts["s1"]
+    finally:
+        triton.stop_stream()
+    assert not errors and len(pieces) > 1
+    assert "".join(pieces) == reference.text
+
+
+def test_many_requests_on_one_stream_and_a_bad_one(triton, smollm2_llm):
+    prompts = ["Once upon a time", "def fibonacci(n):", "Water boils at"]
+    refs = [smollm2_llm.generate(p, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text for p in prompts]
+    s = Stream(triton)
+    try:
+        for i, p in enumerate(prompts):
+            triton.async_stream_infer("ensemble", tensors(p, 8, stream=flag(i != 1), exclude_input_in_output=flag(True)),
+                                      request_id=f"r{i}")
+        triton.async_stream_infer("ensemble", tensors(temperature=np.array([[-1.0]], np.float32)), request_id="bad")
+        texts, errors = s.collect(["r0", "r1", "r2"], num_errors=1)
+    finally:
+        triton.stop_stream()
+    for i, ref in enumerate(refs):
+        assert "".join(texts[f"r{i}"]) == ref
+    assert len(texts["r1"]) == 1                      # stream=false: one response
+    assert len(errors) == 1 and "temperature" in errors[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(temperature=np.array([[-1.0]], np.float32)), "temperature"),
+    (dict(stream=flag(True)), "ModelStreamInfer"),
+    (dict(top_p=np.array([[1.5]], np.float32)), "top_p"),
+    (dict(max_tokens=np.array([[2000]], np.int32)), "max_seq_len"),
+])
+def test_infer_errors_are_invalid_argument(triton, extra, message):
+    inputs = tensors(**{k: v for k, v in extra.items() if k != "max_tokens"})
+    if "max_tokens" in extra:
+        inputs = tensors(max_tokens=int(extra["max_tokens"][0, 0]))
+    with pytest.raises(InferenceServerException) as e:
+        triton.infer("ensemble", inputs)
+    assert "INVALID_ARGUMENT" in str(e.value.status()) and message in e.value.message()
+    assert triton.infer("ensemble", tensors(max_tokens=2)).as_numpy("text_output") is not None
+
+
+def test_stream_cancel_frees_blocks(server, triton):
+    from trtllm_lite.serving.client import LLMClient
+    from trtllm_lite.serving.process import wait_until
+
+    s = Stream(triton)
+    triton.async_stream_infer("ensemble", tensors(max_tokens=400, stream=flag(True)), request_id="long")
+    result, error = s.q.get(timeout=60)
+    assert error is None
+    with LLMClient(server.grpc, timeout=30) as c:
+        assert c.model_info().kv_blocks_used > 0
+        triton.stop_stream(cancel_requests=True)
+        assert wait_until(lambda: c.model_info().kv_blocks_used == 0 and c.model_info().num_running == 0)
+    assert triton.infer("ensemble", tensors(max_tokens=2)).as_numpy("text_output") is not None
+
+
+def test_empty_final_response_and_stop_words(triton, reference):
+    stop = reference.text.split()[1]                   # a word from the middle of the greedy answer
+    s = Stream(triton)
+    try:
+        triton.async_stream_infer("ensemble", tensors(stream=flag(True), stop_words=np.array([[stop]], dtype=object)),
+                                  request_id="e1", enable_empty_final_response=True)
+        responses = []
+        while True:
+            result, error = s.q.get(timeout=60)
+            assert error is None
+            responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        triton.stop_stream()
+    assert responses[-1].as_numpy("text_output") is None          # the end, on its own
+    text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in responses[:-1])
+    assert text == reference.text[:reference.text.index(stop)]
