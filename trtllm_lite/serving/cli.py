@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run at most")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM / SIGINT")
+    g.add_argument("--stream-queue-size", type=int, default=64,
+                   help="deltas held per request before merging (a slow client never blocks the engine)")
     g.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -66,7 +68,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, tls_cert=args.tls_cert,
         tls_key=args.tls_key, max_waiting_requests=args.max_waiting_requests,
         max_message_bytes=args.max_message_bytes, request_timeout=args.request_timeout,
-        shutdown_grace=args.shutdown_grace, engine_options=engine_options(args))
+        shutdown_grace=args.shutdown_grace, stream_queue_size=args.stream_queue_size,
+        engine_options=engine_options(args))
 
 
 def run(args: argparse.Namespace) -> int:
