@@ -93,15 +93,20 @@ def backend(request, tmp_path_factory):
             pytest.skip("TRTLLM_LITE_CUDA_LIB points at the emulation build")
         yield Backend("gpu", max_context=4096)
     else:
-        if shutil.which(os.environ.get("CXX", "g++")) is None:
-            pytest.skip("no host C++ compiler for the kernel emulation")
-        out = tmp_path_factory.mktemp("emulation")
-        result = subprocess.run(["bash", str(ROOT / "plugins_cu" / "build.sh"), "--emulation",
-                                 "--out", str(out)], capture_output=True, text=True, timeout=300)
-        if result.returncode != 0 and "CUDA headers not found" in result.stderr:
-            pytest.skip("CUDA headers not found: cannot build the kernel emulation")
-        assert result.returncode == 0, result.stdout + result.stderr
-        tlcuda.use_library(out / "libtrtllm_lite_kernels_emu.so")
+        prebuilt = os.environ.get("TL_EMULATION_LIB")  # e.g. an AddressSanitizer build
+        if prebuilt:
+            tlcuda.use_library(prebuilt)
+        else:
+            if shutil.which(os.environ.get("CXX", "g++")) is None:
+                pytest.skip("no host C++ compiler for the kernel emulation")
+            out = tmp_path_factory.mktemp("emulation")
+            result = subprocess.run(
+                ["bash", str(ROOT / "plugins_cu" / "build.sh"), "--emulation", "--out", str(out)],
+                capture_output=True, text=True, timeout=300)
+            if result.returncode != 0 and "CUDA headers not found" in result.stderr:
+                pytest.skip("CUDA headers not found: cannot build the kernel emulation")
+            assert result.returncode == 0, result.stdout + result.stderr
+            tlcuda.use_library(out / "libtrtllm_lite_kernels_emu.so")
         assert tlcuda.build_info() == "CPU emulation"
         yield Backend("emulation", max_context=1100)
     tlcuda.use_library(None)
@@ -169,7 +174,8 @@ HEADS = [(9, 3, 64, 16), (32, 8, 128, 64), (8, 8, 128, 16), (16, 1, 64, 32), (4,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "h{}kv{}d{}b{}".format(*h))
 @pytest.mark.parametrize("split", ["split", "nosplit"])
-def test_decode_matches_reference(backend, dtype, heads, split):
+@pytest.mark.parametrize("kernel", ["pipelined", "registers"])
+def test_decode_matches_reference(backend, kernel, dtype, heads, split):
     rng = np.random.default_rng()
     num_heads, num_kv_heads, head_dim, block_size = heads
     longest = backend.max_context
@@ -177,6 +183,7 @@ def test_decode_matches_reference(backend, dtype, heads, split):
     step = random_step(rng, context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
                        head_dim, block_size)
     tlcuda.set_decode_policy(min_chunk=1 << 24 if split == "nosplit" else 0)
+    tlcuda.set_decode_kernel(kernel)
     try:
         max_len = max(context_lens) + 1
         splits = tlcuda.decode_num_splits(len(context_lens), num_heads, num_kv_heads, head_dim,
@@ -185,6 +192,7 @@ def test_decode_matches_reference(backend, dtype, heads, split):
         check_against_reference(step, dtype, "decode")
     finally:
         tlcuda.set_decode_policy()
+        tlcuda.set_decode_kernel("pipelined")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

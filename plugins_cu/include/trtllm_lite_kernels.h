@@ -95,6 +95,10 @@ int tl_paged_attention(int dtype, const void* query, const void* key, const void
 /* Decode split policy (for tuning and benchmarks): a split covers at least min_chunk tokens and
  * the grid aims at ctas_per_sm thread blocks per multiprocessor. Values <= 0 restore defaults. */
 void tl_set_decode_policy(int min_chunk, int ctas_per_sm);
+/* Decode split kernel: how K/V reach the registers (same math and results). */
+enum { TL_DECODE_PIPELINED = 0, /* cp.async into a 3-stage shared-memory ring (default) */
+       TL_DECODE_REGISTERS = 1  /* 16-byte read-once loads straight into registers */ };
+int tl_set_decode_kernel(int kernel);
 /* Number of context splits the decode would use for these sizes (1 = no merge pass). */
 int tl_decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                          int max_seq_len);

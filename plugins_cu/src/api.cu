@@ -93,6 +93,8 @@ void tl_set_decode_policy(int min_chunk, int ctas_per_sm) {
   tl::set_decode_policy(min_chunk, ctas_per_sm);
 }
 
+int tl_set_decode_kernel(int kernel) { return tl::set_decode_kernel(kernel); }
+
 int tl_paged_attention_decode(int dtype, const void* query, const void* key_cache,
                               const void* value_cache, void* out, const int64_t* block_tables,
                               const int64_t* context_lens, int num_seqs, int num_heads,

@@ -55,6 +55,18 @@ __device__ __forceinline__ Vec8 ld_vec(const void* p) {
   return v;
 }
 
+// 2^x with the special-function unit (ex2.approx.ftz: about 2 ulp; flushes subnormal results
+// to 0, harmless for softmax weights).
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef TL_EMULATE
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // Element-type traits: unpack a 32-bit pair to two floats and pack two floats to a pair.
 template <typename T> struct Elem;
 

@@ -22,6 +22,7 @@ struct DecodePlan {
 DecodePlan plan_decode(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                        int max_seq_len);
 void set_decode_policy(int min_chunk, int ctas_per_sm);
+int set_decode_kernel(int kernel);  // TL_DECODE_PIPELINED or TL_DECODE_REGISTERS
 
 int launch_decode(bool bf16, const void* query, const void* key_cache, const void* value_cache,
                   void* out, const int64_t* block_tables, const int64_t* context_lens,

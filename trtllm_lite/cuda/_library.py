@@ -51,6 +51,7 @@ _SIGNATURES = {
     "tl_decode_workspace_size": (_S, [_I, _I, _I, _I, _I]),
     "tl_decode_num_splits": (_I, [_I, _I, _I, _I, _I]),
     "tl_set_decode_policy": (None, [_I, _I]),
+    "tl_set_decode_kernel": (_I, [_I]),
     "tl_paged_attention_decode": (_I, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I,
                                        _F, _P, _S, _P]),
     "tl_paged_attention_prefill": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,

@@ -59,6 +59,17 @@ def set_decode_policy(min_chunk: int = 0, ctas_per_sm: int = 0) -> None:
     load_library().tl_set_decode_policy(min_chunk, ctas_per_sm)
 
 
+DECODE_KERNELS = {"pipelined": 0, "registers": 1}
+
+
+def set_decode_kernel(kernel: str = "pipelined") -> None:
+    """Choose how the decode brings K/V in: ``"pipelined"`` (cp.async through a shared-memory
+    ring, the default) or ``"registers"`` (read-once loads into registers). Same results."""
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(DECODE_KERNELS)}, got {kernel!r}")
+    check(load_library().tl_set_decode_kernel(DECODE_KERNELS[kernel]), "tl_set_decode_kernel")
+
+
 def paged_attention_decode(*, dtype: str, query: int, key_cache: int, value_cache: int, out: int,
                            block_tables: int, context_lens: int, num_seqs: int, num_heads: int,
                            num_kv_heads: int, head_dim: int, block_size: int,
