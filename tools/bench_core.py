@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_peers import HFPeer  # noqa: E402
 
-from trtllm_lite.commands.bench import measure_latency, random_prompts, run_requests  # noqa: E402
+from trtllm_lite.commands.bench import greedy_ids, measure_latency, random_prompts, run_requests  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
@@ -49,14 +49,15 @@ def main(argv=None) -> int:
 
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
-    engine = LLMEngine(ensure_engine(args.engine), num_threads=args.num_threads, verify_checksums=False)
+    engine = LLMEngine(ensure_engine(args.engine), num_threads=args.num_threads, verify_checksums=False,
+                       enable_prefix_caching=False)
     vocab = engine.model_config["vocab_size"]
     prompt = random_prompts(1, args.prompt_len, vocab, seed=1)[0]
 
     ours = measure_latency(engine, args.prompt_len, args.max_tokens)
     hf = HFPeer(resolve_model_path(MODEL), args.num_threads)
     theirs = hf.latency(prompt, args.max_tokens)
-    same = hf.generate_ids(prompt, 32) == engine_ids(engine, prompt, 32)
+    same = hf.generate_ids(prompt, 32) == greedy_ids(engine, prompt, 32)
 
     prompts = random_prompts(args.concurrency, args.prompt_len, vocab, seed=2)
     one = run_requests(engine, prompts, args.max_tokens, concurrency=1)
@@ -83,19 +84,6 @@ def main(argv=None) -> int:
             json.dump({"ours": ours, "hf": theirs, "greedy_identical": same, "batch1": one.to_dict(),
                        "concurrent": many.to_dict(), "load_after": load}, f, indent=1)
     return 0
-
-
-def engine_ids(engine, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy output ids of one request through ``engine``."""
-    from trtllm_lite.sampling_params import SamplingParams
-
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    ids = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == rid:
-                ids.extend(out.outputs[0].token_ids)
-    return ids
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ class RunResult:
     ttft_ms: dict = field(default_factory=dict)
     tpot_ms: dict = field(default_factory=dict)
     num_steps: int = 0
+    peak_kv_blocks: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -87,7 +88,7 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: list[int] | int,
     max_tokens = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     concurrency = concurrency or n
     pending, in_flight = deque(range(n)), set()
-    ttft, tpot, out_tokens = [], [], 0
+    ttft, tpot, out_tokens, peak_blocks = [], [], 0, 0
     steps0 = engine.num_steps
     t0 = time.monotonic()
     while pending or in_flight:
@@ -95,7 +96,9 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: list[int] | int,
             i = pending.popleft()
             params = SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True)
             in_flight.add(engine.add_request(prompts[i], params, request_id=f"bench-{i}"))
-        for out in engine.step():
+        outputs = engine.step()
+        peak_blocks = max(peak_blocks, engine.kv.pool.num_used)
+        for out in outputs:
             if not out.finished:
                 continue
             in_flight.discard(out.request_id)
@@ -106,7 +109,18 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: list[int] | int,
                 tpot.append((m.finished_time - m.first_token_time) / (k - 1) * 1e3)
     wall = time.monotonic() - t0
     return RunResult(n, concurrency, wall, sum(len(p) for p in prompts), out_tokens,
-                     percentiles(ttft), percentiles(tpot), engine.num_steps - steps0)
+                     percentiles(ttft), percentiles(tpot), engine.num_steps - steps0, peak_blocks)
+
+
+def greedy_ids(engine, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy output ids of one request (``ignore_eos``) through ``engine``, run alone."""
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    ids = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                ids.extend(out.outputs[0].token_ids)
+    return ids
 
 
 def measure_latency(engine, prompt_len: int, max_tokens: int, repeats: int = 3, seed: int = 0
@@ -148,7 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..core.llm_engine import LLMEngine
 
-    engine = LLMEngine(args.engine, num_threads=args.num_threads, verify_checksums=False)
+    engine = LLMEngine(args.engine, num_threads=args.num_threads, verify_checksums=False,
+                       enable_prefix_caching=False)  # repeated prompts must not hit the cache
     vocab = engine.model_config["vocab_size"]
     results = {"latency": [], "throughput": []}
     for n in args.prompt_lens:

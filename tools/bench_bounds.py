@@ -1,0 +1,85 @@
+"""The roofline bounds the benchmarks print beside measured speeds, measured in the same run.
+
+* batch-1 decode is bound by memory bandwidth: every weight is read once per step, so
+  ``tokens/s <= read bandwidth / bytes of weights read per step``;
+* batched decode is bound by compute: ``tokens/s <= GEMM rate / (2 * parameters)``
+  (one multiply-add per parameter per token; attention FLOPs left out, small at these lengths).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+
+def read_bandwidth(num_threads: int | None = None, nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Read bandwidth (bytes/s): ``num_threads`` threads each sum their share of a ``nbytes``
+    float32 array (numpy releases the GIL in the reduction); best of ``repeats``."""
+    num_threads = num_threads or os.cpu_count() or 1
+    data = np.ones(nbytes // 4, np.float32)
+    parts = np.array_split(data, num_threads)
+    best = float("inf")
+    for _ in range(repeats):
+        threads = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def gemv_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Read bandwidth (bytes/s) seen by BLAS matrix-vector product over a ``nbytes`` float32
+    matrix (all cores): the access pattern of batch-1 decode. Best of ``repeats``."""
+    a = np.ones((nbytes // 4 // 4096, 4096), np.float32)
+    x = np.ones(4096, np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ x
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
+    """fp32 GEMM rate (FLOP/s) of numpy's BLAS on ``n x n x n`` (all cores), best of ``repeats``."""
+    a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+    b = a.T.copy()
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def decode_bytes_per_step(manifest: dict) -> int:
+    """Bytes of weights one decode step reads, from an engine manifest's weight table.
+
+    Every per-layer tensor, the final norm and the lm_head (the tied embedding when it is the
+    lm_head and stays float; its quantized form when quantized). The embedding Gather reads a
+    few rows and the rotary tables one row per token: both left out, like the KV cache.
+    """
+    tensors = manifest["weights"]["tensors"]
+    tied = manifest["model"]["tie_word_embeddings"]
+    head = "embed.weight" if tied else "lm_head.weight"
+    quantized_head = any(n.startswith(head + ".") for n in tensors)
+    total = 0
+    for name, t in tensors.items():
+        if name.startswith(("layers.", "final_norm")):
+            total += t["nbytes"]
+        elif name.startswith(head + ".") or (name == head and not quantized_head):
+            total += t["nbytes"]
+    return total
+
+
+def flops_per_token(manifest: dict) -> float:
+    """2 x parameters (tied embeddings counted once), from the manifest's model config."""
+    from builder.model_config import ModelConfig
+
+    return 2.0 * ModelConfig(**manifest["model"]).num_parameters

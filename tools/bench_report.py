@@ -1,0 +1,213 @@
+"""Turn the suite's results into tables, target checks, JSON, a PNG and the docs section."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import bench_bounds
+
+BEGIN, END = "<!-- bench.py:cpu begin -->", "<!-- bench.py:cpu end -->"
+NAMES = {"ours-fp32": "trtllm-lite fp32", "ours-int4": "trtllm-lite int4 (GGUF Q4_1, accuracy 0)",
+         "ours-int4-acc4": "trtllm-lite int4, accuracy_level 4 (int8 activations)",
+         "hf": "HF transformers fp32", "genai-fp32": "onnxruntime-genai fp32",
+         "genai-int4": "onnxruntime-genai int4", "llamacpp": "llama.cpp Q4_1 (llama-cpp-python)"}
+
+
+def _fmt(x, digits=1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+class Report:
+    """Results of one run: ``results[system]`` from :mod:`bench_workers`, bounds in bytes/s and
+    FLOP/s, the engines' manifests, the workload spec, notes, load averages, machine."""
+
+    def __init__(self, results, bounds, manifests, spec, notes, load0, load1, machine):
+        self.r, self.bounds, self.spec, self.notes = results, bounds, spec, notes
+        self.load0, self.load1, self.machine = load0, load1, machine
+        self.bytes = {k: bench_bounds.decode_bytes_per_step(m) for k, m in manifests.items()}
+        self.bytes["ours-int4-acc4"] = self.bytes.get("ours-int4")
+        self.flops = bench_bounds.flops_per_token(manifests["ours-fp32"])
+        self.tokenizer = None
+
+    def get(self, system, *keys):
+        x = self.r.get(system)
+        for k in keys:
+            if x is None:
+                return None
+            x = x[k] if isinstance(x, list) else x.get(k)
+        return x
+
+    def bound_bw(self, system):
+        b = self.bytes.get(system)
+        return self.bounds["read_bandwidth"] / b if b else None
+
+    @property
+    def bound_compute(self):
+        return self.bounds["gemm_rate"] / self.flops
+
+    def answer(self, system) -> str | None:
+        ids = self.get(system, "greedy")
+        if not ids:
+            return None
+        from trtllm_lite.tokenizer import Tokenizer
+
+        if self.tokenizer is None:
+            self.tokenizer = Tokenizer(self.spec["tokenizer_dir"])
+        first = ids[0]
+        first = first[:first.index(2)] if 2 in first else first
+        return self.tokenizer.decode(first)
+
+    def same_as_fp32(self, system):
+        a, b = self.get(system, "greedy"), self.get("ours-fp32", "greedy")
+        return None if a is None or b is None else a == b
+
+    # -- targets ----------------------------------------------------------------------------
+    def targets(self) -> list[tuple[str, str, bool | None]]:
+        g = self.get
+        out = []
+
+        def ratio(name, a, b, need, fmt="{:.2f}x"):
+            ok = None if a is None or b is None else a / b >= need
+            out.append((name, "-" if ok is None else fmt.format(a / b), ok))
+
+        ratio("int4 batch-1 decode >= 1.3x onnxruntime-genai int4", g("ours-int4", "decode_tokens_per_s"),
+              g("genai-int4", "decode_tokens_per_s"), 1.3)
+        ratio("int4 batch-1 decode >= 70% of its bandwidth bound", g("ours-int4", "decode_tokens_per_s"),
+              self.bound_bw("ours-int4"), 0.7, "{:.0%}")
+        same = self.same_as_fp32("ours-int4")
+        out.append(("int4 greedy ids identical to our fp32 engine (test prompts)", str(same), same))
+        ratio("fp32 batch-1 decode >= 90% of its bandwidth bound", g("ours-fp32", "decode_tokens_per_s"),
+              self.bound_bw("ours-fp32"), 0.9, "{:.0%}")
+        ratio("fp32 batch-1 decode >= HF transformers", g("ours-fp32", "decode_tokens_per_s"),
+              g("hf", "decode_tokens_per_s"), 1.0)
+        ratio("64 random-length requests: >= 3x HF static batching (64)", g("ours-fp32", "random", "output_tokens_per_s"),
+              g("hf", "random", "output_tokens_per_s"), 3.0)
+        ratio("64 random-length requests: >= 5x onnxruntime-genai fp32 one at a time",
+              g("ours-fp32", "random", "output_tokens_per_s"), g("genai-fp32", "random_sequential", "output_tokens_per_s"), 5.0)
+        ratio("64 x 128/128: >= HF static batching (64)", g("ours-fp32", "equal", "output_tokens_per_s"),
+              g("hf", "equal", "output_tokens_per_s"), 1.0)
+        ratio("64 x 128/128: >= 50% of the compute bound", g("ours-fp32", "equal", "output_tokens_per_s"),
+              self.bound_compute, 0.5, "{:.0%}")
+        if "llamacpp" in self.r:
+            ratio("int4 batch-1 decode vs llama.cpp Q4_1 (aim: match)", g("ours-int4", "decode_tokens_per_s"),
+                  g("llamacpp", "decode_tokens_per_s"), 1.0)
+        sweep = {s["concurrency"]: s for s in g("ours-fp32", "sweep") or []}
+        if 1 in sweep and 16 in sweep:
+            ratio("16 concurrent requests >= 4x batch 1 output tokens/s (issue #2)",
+                  sweep[16]["output_tokens_per_s"], sweep[1]["output_tokens_per_s"], 4.0)
+        mem = g("ours-fp32", "memory")
+        if mem and g("ours-fp32", "peak_rss_bytes"):
+            peak = g("ours-fp32", "peak_rss_bytes") / (mem["weights_bytes"] + mem["kv_pool_bytes"])
+            out.append(("fp32 serving peak RSS < 1.3x (weights + KV pool)", f"{peak:.2f}x", peak < 1.3))
+        return out
+
+    # -- output -----------------------------------------------------------------------------
+    def markdown(self) -> str:
+        b, m, L = self.bounds, self.machine, []
+        L += [BEGIN, "", "## CPU: the full suite (`tools/bench.py`)", "",
+              f"Run {time.strftime('%Y-%m-%d %H:%M')} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB); "
+              + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + f"; {self.spec['threads']} threads for every system.",
+              f"Load average {self.load0[0]:.2f} before, {self.load1[0]:.2f} after"
+              + (" (the machine was shared: figures taken under load)" if max(self.load0[0], self.load1[0]) > 0.5 else "")
+              + ".", "", "```bash", "python tools/bench.py", "```", ""]
+        L += ["### Bounds (measured in this run)", "",
+              "| quantity | value |", "|---|---:|",
+              f"| read bandwidth (best of threaded numpy sum, BLAS GEMV over 512 MiB) | {b['read_bandwidth'] / 1e9:.1f} GB/s |",
+              f"| fp32 GEMM rate (numpy BLAS, 2048^3) | {b['gemm_rate'] / 1e9:.0f} GFLOP/s |",
+              f"| FLOPs per token (2 x parameters) | {self.flops / 1e9:.3f} GFLOP |",
+              f"| compute bound, batched decode | {self.bound_compute:,.0f} tokens/s |"]
+        for k in ("ours-fp32", "ours-int4"):
+            if k in self.bytes:
+                L.append(f"| {NAMES[k]}: weight bytes per decode step / bandwidth bound | "
+                         f"{self.bytes[k] / 1e6:.0f} MB / {self.bound_bw(k):.0f} tokens/s |")
+        L += ["", "### Batch 1 (latency)", "",
+              "| system | decode tokens/s | % of bound | TTFT 128 / 512 / 2048 (ms) | peak RSS (MB) | greedy = our fp32 | chat answer |",
+              "|---|---:|---:|---:|---:|:-:|---|"]
+        for k, name in NAMES.items():
+            if k not in self.r:
+                continue
+            d, bw = self.get(k, "decode_tokens_per_s"), self.bound_bw(k)
+            ttft = " / ".join(_fmt(self.get(k, "latency", str(n)), 0) for n in self.spec["ttft_lens"])
+            ans = (self.answer(k) or "").replace("|", "\\|").replace("\n", " ")[:60]
+            L.append(f"| {name} | {_fmt(d)} | {'-' if not bw else f'{d / bw:.0%}'} | {ttft} | "
+                     f"{_fmt(self.get(k, 'peak_rss_bytes') / 1e6, 0)} | {self.same_as_fp32(k)} | {ans} |")
+        L += ["", "### Offline throughput (64 requests, greedy, every request runs to its max_tokens)", "",
+              "| system | workload | output tokens/s | total tokens/s | wall (s) |", "|---|---|---:|---:|---:|"]
+        rows = [("ours-fp32", "random"), ("ours-int4", "random"), ("hf", "random"), ("genai-fp32", "random_sequential"),
+                ("genai-int4", "random_sequential"), ("ours-fp32", "equal"), ("ours-int4", "equal"), ("hf", "equal")]
+        labels = {"random": "random lengths (16-512 in, 16-256 out, seeded)", "equal": "128 in / 128 out",
+                  "random_sequential": f"random lengths, one at a time ({self.spec['genai_requests']} requests)"}
+        for k, w in rows:
+            x = self.get(k, w)
+            if x:
+                how = " (static batches of 64, padded)" if k == "hf" else (" (inflight batching)" if k.startswith("ours") else "")
+                L.append(f"| {NAMES[k]}{how} | {labels[w]} | {_fmt(x['output_tokens_per_s'])} | "
+                         f"{_fmt(x['total_tokens_per_s'])} | {_fmt(x['wall_s'])} |")
+        L += ["", "### Concurrency sweep (128 in / 64 out; 2 x concurrency requests, at least 4)", "",
+              "| system | concurrency | output tokens/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |",
+              "|---|---:|---:|---:|---:|"]
+        for k in ("ours-fp32", "ours-int4"):
+            for s in self.get(k, "sweep") or []:
+                t, p = s["ttft_ms"], s["tpot_ms"]
+                L.append(f"| {NAMES[k]} | {s['concurrency']} | {_fmt(s['output_tokens_per_s'])} | "
+                         + " / ".join(_fmt(t.get(q), 0) for q in ("p50", "p90", "p99")) + " | "
+                         + " / ".join(_fmt(p.get(q)) for q in ("p50", "p90", "p99")) + " |")
+        mem = self.get("ours-fp32", "memory")
+        if mem:
+            L += ["", f"Memory, trtllm-lite fp32 serving the random workload: peak RSS "
+                      f"{self.get('ours-fp32', 'peak_rss_bytes') / 1e6:.0f} MB; weights {mem['weights_bytes'] / 1e6:.0f} MB; "
+                      f"KV pool {mem['kv_pool_bytes'] / 1e6:.0f} MB allocated (pages are committed as blocks are first "
+                      f"used; peak {max(x.get('peak_kv_blocks', 0) for x in [self.get('ours-fp32', 'random') or {}])} "
+                      f"blocks of {mem['kv_bytes_per_block'] / 1e6:.2f} MB)."]
+        L += ["", "### Targets (issue #9, and issue #2's measure)", "", "| target | measured | met |", "|---|---:|:-:|"]
+        for name, value, ok in self.targets():
+            L.append(f"| {name} | {value} | {'-' if ok is None else ('yes' if ok else '**no**')} |")
+        if self.notes:
+            L += [""] + [f"- {n}" for n in self.notes]
+        L += ["", "![throughput and latency vs concurrency](benchmarks_cpu.png)", "", END]
+        return "\n".join(L)
+
+    def write(self, docs: str) -> None:
+        with open(os.path.join(docs, "benchmarks_cpu.json"), "w") as f:
+            json.dump({"results": self.r, "bounds": self.bounds, "bytes_per_step": self.bytes,
+                       "flops_per_token": self.flops, "machine": self.machine,
+                       "load": [self.load0, self.load1], "targets": self.targets()}, f, indent=1)
+        self.plot(os.path.join(docs, "benchmarks_cpu.png"))
+        path = os.path.join(docs, "benchmarks.md")
+        text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+        section = self.markdown()
+        if BEGIN in text and END in text:
+            text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+        else:
+            text = text.rstrip("\n") + "\n\n" + section + "\n"
+        with open(path, "w") as f:
+            f.write(text)
+
+    def plot(self, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        for k in ("ours-fp32", "ours-int4"):
+            sweep = self.get(k, "sweep") or []
+            if not sweep:
+                continue
+            c = [s["concurrency"] for s in sweep]
+            a.plot(c, [s["output_tokens_per_s"] for s in sweep], "o-", label=NAMES[k])
+            for q, style in (("p50", "-"), ("p99", ":")):
+                b.plot(c, [s["tpot_ms"].get(q) for s in sweep], "o" + style, label=f"{NAMES[k].split(' (')[0]} TPOT {q}")
+                b.plot(c, [s["ttft_ms"].get(q) for s in sweep], "s" + style, label=f"{NAMES[k].split(' (')[0]} TTFT {q}")
+        for k in ("hf", "genai-fp32", "genai-int4", "llamacpp"):
+            d = self.get(k, "decode_tokens_per_s")
+            if d:
+                a.plot([1], [d], "x", markersize=9, label=f"{NAMES[k]} batch 1")
+        a.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s",
+              title="throughput vs concurrency (128 in / 64 out)")
+        b.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="ms", title="TTFT and TPOT percentiles")
+        a.legend(fontsize=7)
+        b.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)

@@ -1,0 +1,93 @@
+"""One benchmark worker per system, each in its own process (so its peak RSS is its own).
+
+``python tools/bench.py --worker SYSTEM --spec spec.json --out result.json``; the spec
+(written by :mod:`bench`) holds paths, threads and the workloads as token ids, so every
+system gets the very same prompts. Systems: ``ours`` (an engine directory, accuracy level
+from ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``), ``hf``, ``genai`` (a model directory), ``llamacpp``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+
+from bench_peers import GenAIPeer, HFPeer, LlamaCppPeer
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes: ``VmHWM`` from ``/proc/self/status``
+    (``ru_maxrss`` would carry the parent's peak across ``exec``)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
+    from trtllm_lite.commands.bench import greedy_ids, measure_latency, run_requests
+    from trtllm_lite.core.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_path, num_threads=spec["threads"], verify_checksums=False,
+                       enable_prefix_caching=False, kv_cache_memory_bytes=spec["kv_cache_bytes"])
+    out = {"latency": {}, "greedy": [greedy_ids(engine, p, spec["greedy_tokens"]) for p in spec["test_prompts"]]}
+    for i, n in enumerate(spec["ttft_lens"]):
+        lat = measure_latency(engine, n, spec["decode_tokens"] if i == 0 else 1)
+        out["latency"][str(n)] = lat["ttft_ms"]
+        if i == 0:
+            out["decode_tokens_per_s"] = lat["decode_tokens_per_s"]
+    if full:
+        for name in ("random", "equal"):
+            w = spec[name]
+            out[name] = run_requests(engine, w["prompts"], w["max_tokens"], len(w["prompts"])).to_dict()
+        out["sweep"] = []
+        for c in spec["sweep"]["concurrency"]:
+            n = max(2 * c, 4)
+            r = run_requests(engine, spec["sweep"]["prompts"][:n], spec["sweep"]["max_tokens"], c)
+            out["sweep"].append(r.to_dict())
+    runner = engine.runner
+    out["memory"] = {"weights_bytes": sum(t["nbytes"] for t in engine.engine.manifest["weights"]["tensors"].values()),
+                     "kv_pool_bytes": int(runner.key_cache.nbytes + runner.value_cache.nbytes),
+                     "kv_bytes_per_block": runner.kv_bytes_per_block}
+    return out
+
+
+def run_peer(spec: dict, peer, full: bool) -> dict:
+    out = {"latency": {}, "greedy": [peer.generate_ids(p, spec["greedy_tokens"]) for p in spec["test_prompts"]]}
+    prompt = spec["latency_prompts"][str(spec["ttft_lens"][0])]
+    lat = peer.latency(prompt, spec["decode_tokens"])
+    out["decode_tokens_per_s"] = lat["decode_tokens_per_s"]
+    for n in spec["ttft_lens"]:
+        out["latency"][str(n)] = peer.latency(spec["latency_prompts"][str(n)], 2, repeats=1)["ttft_ms"]
+    if full and isinstance(peer, HFPeer):
+        for name in ("random", "equal"):
+            w = spec[name]
+            out[name] = peer.static_batches(w["prompts"], _list(w["max_tokens"], w["prompts"]), spec["hf_batch"])
+    if full and isinstance(peer, GenAIPeer):
+        w, n = spec["random"], spec["genai_requests"]
+        out["random_sequential"] = peer.sequential(w["prompts"][:n], _list(w["max_tokens"], w["prompts"])[:n])
+    return out
+
+
+def _list(max_tokens, prompts) -> list[int]:
+    return [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+
+
+def main(system: str, spec_path: str, out_path: str, target: str | None, full: bool) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    load0 = os.getloadavg()
+    if system == "ours":
+        result = run_ours(spec, target, full)
+    elif system == "hf":
+        result = run_peer(spec, HFPeer(spec["hf_model"], spec["threads"]), full)
+    elif system == "genai":
+        result = run_peer(spec, GenAIPeer(target, spec["threads"]), full)
+    elif system == "llamacpp":
+        result = run_peer(spec, LlamaCppPeer(spec["gguf"], spec["threads"]), full)
+    else:
+        raise ValueError(f"unknown worker system {system!r}")
+    result.update(peak_rss_bytes=peak_rss_bytes(), load_before=load0, load_after=os.getloadavg())
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
