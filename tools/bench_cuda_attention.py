@@ -12,7 +12,9 @@ The bound is the measured device-to-device copy bandwidth (bytes read + written 
 Timing: CUDA graphs of R launches (R rotating input sets, so small problems are not served from
 L2), replayed several times; the median replay over R.
 
-``--dry-run`` exercises the plumbing on the CPU with tiny sizes and a torch stand-in for the kernel.
+``--dry-run`` exercises the plumbing on the CPU with tiny sizes and a torch stand-in for the kernel;
+``--emulation LIB`` does the same with the kernels' CPU emulation build (plugins_cu/build.sh
+--emulation) launched on CPU tensors, so every code path but the CUDA timing runs without a GPU.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ class Row:
     batch: int
     context: int
     kv_bytes: int
-    ours_us: float
+    ours_us: float      # default decode kernel (pipelined)
+    regs_us: float      # register-load decode kernel
     sdpa_us: float
     rel_err: float
     splits: int
@@ -130,11 +133,28 @@ def sdpa(q, k, v, scale):
     return out.squeeze(2)
 
 
+EMULATED = False  # --emulation: our kernels run on CPU tensors through the emulation library
+
+
+def uses_kernels(device: str) -> bool:
+    return device != "cpu" or EMULATED
+
+
+def current_stream(device: str) -> int:
+    return torch.cuda.current_stream().cuda_stream if device != "cpu" else 0
+
+
+def set_kernel(device: str, kernel: str) -> None:
+    if uses_kernels(device):
+        from trtllm_lite import cuda as tlcuda
+        tlcuda.set_decode_kernel(kernel)
+
+
 def make_ours(case: PagedCase, dtype_name: str, device: str, workspace):
     """Callables launching our decode for each rotation (torch stand-in with --dry-run)."""
     nh, nkv, d = case.heads
     scale = d ** -0.5
-    if device == "cpu":
+    if not uses_kernels(device):
         def stand_in(r):
             k, v = case.contiguous_kv(r)
             case.out.copy_(sdpa(case.query[r], k, v, scale))
@@ -150,7 +170,7 @@ def make_ours(case: PagedCase, dtype_name: str, device: str, workspace):
             num_kv_heads=nkv, head_dim=d, block_size=case.block_size,
             max_blocks_per_seq=case.blocks_per_seq, max_seq_len=case.seq_len, scale=scale,
             workspace=workspace.data_ptr(), workspace_size=workspace.numel(),
-            stream=torch.cuda.current_stream().cuda_stream)
+            stream=current_stream(device))
     return [lambda r=r: launch(r) for r in range(len(case.query))]
 
 
@@ -160,23 +180,30 @@ def bench_decode(model, heads, batch, context, args, dtype) -> Row:
     rotations = max(1, min(args.max_rotations, math.ceil(ROTATE_BYTES / per_rot)))
     case = PagedCase(heads, batch, context, args.block_size, dtype, args.device, rotations)
     splits, ws_bytes = 1, 16
-    if args.device != "cpu":
+    if uses_kernels(args.device):
         from trtllm_lite import cuda as tlcuda
         splits = tlcuda.decode_num_splits(batch, nh, nkv, d, case.seq_len)
         ws_bytes = max(16, tlcuda.decode_workspace_size(batch, nh, nkv, d, case.seq_len))
     workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=args.device)
     ours = make_ours(case, args.dtype, args.device, workspace)
-    # Correctness against the peer on rotation 0.
+    # Correctness against the peer on rotation 0, both kernels (worst error reported).
     k0, v0 = case.contiguous_kv(0)
-    ours[0]()
     ref = sdpa(case.query[0], k0, v0, d ** -0.5).float()
-    rel_err = ((case.out.float() - ref).norm() / ref.norm()).item()
+    rel_err = 0.0
+    for kernel in ("registers", "pipelined"):
+        set_kernel(args.device, kernel)
+        case.out.fill_(float("nan"))
+        ours[0]()
+        rel_err = max(rel_err, ((case.out.float() - ref).norm() / ref.norm()).item())
     peer_kv = [(k0, v0)] + [case.contiguous_kv(r) for r in range(1, rotations)]
     peer = [lambda r=r: sdpa(case.query[r], *peer_kv[r], d ** -0.5) for r in range(rotations)]
+    set_kernel(args.device, "registers")
+    regs_ms = median_replay_ms(ours, args.reps, args.device)
+    set_kernel(args.device, "pipelined")
     ours_ms = median_replay_ms(ours, args.reps, args.device)
     sdpa_ms = median_replay_ms(peer, args.reps, args.device)
-    row = Row(model, heads, batch, context, case.kv_bytes(), ours_ms * 1e3, sdpa_ms * 1e3,
-              rel_err, splits)
+    row = Row(model, heads, batch, context, case.kv_bytes(), ours_ms * 1e3, regs_ms * 1e3,
+              sdpa_ms * 1e3, rel_err, splits)
     del case, peer_kv, peer, ours, workspace
     return row
 
@@ -184,24 +211,29 @@ def bench_decode(model, heads, batch, context, args, dtype) -> Row:
 def policy_sweep(args, dtype):
     """Decode time at 32k context for a few split policies (tuning aid)."""
     from trtllm_lite import cuda as tlcuda
-    lines = ["| batch | min_chunk | ctas/SM | splits | µs | TB/s |", "|---|---|---|---|---|---|"]
-    heads = HEAD_CONFIGS["Llama-8B-like"]
-    for batch in (1, 16):
-        case = PagedCase(heads, batch, 32768, args.block_size, dtype, args.device, 1)
-        for min_chunk in (256, 1024):
-            for ctas in (2, 4, 8, 16, 32):
+    lines = ["| model | batch | kernel | min_chunk | ctas/SM | splits | µs | TB/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model, batch in (("Llama-8B-like", 1), ("Llama-8B-like", 16), ("SmolLM2-like", 16)):
+        heads = HEAD_CONFIGS[model]
+        nh, nkv, d = heads
+        case = PagedCase(heads, args.sweep_batch or batch, args.sweep_context, args.block_size,
+                         dtype, args.device, 1)
+        for kernel in ("pipelined", "registers"):
+            tlcuda.set_decode_kernel(kernel)
+            for min_chunk, ctas in ((256, 2), (256, 4), (256, 8), (256, 16), (256, 32),
+                                    (1024, 8), (2048, 4)):
                 tlcuda.set_decode_policy(min_chunk, ctas)
-                nh, nkv, d = heads
-                splits = tlcuda.decode_num_splits(batch, nh, nkv, d, case.seq_len)
-                ws = torch.empty(max(16, tlcuda.decode_workspace_size(batch, nh, nkv, d,
+                splits = tlcuda.decode_num_splits(case.batch, nh, nkv, d, case.seq_len)
+                ws = torch.empty(max(16, tlcuda.decode_workspace_size(case.batch, nh, nkv, d,
                                                                       case.seq_len)),
                                  dtype=torch.uint8, device=args.device)
                 ms = median_replay_ms(make_ours(case, args.dtype, args.device, ws), args.reps,
                                       args.device)
-                lines.append(f"| {batch} | {min_chunk} | {ctas} | {splits} | {ms * 1e3:.1f} | "
-                             f"{case.kv_bytes() / ms / 1e9:.2f} |")
+                lines.append(f"| {model} | {case.batch} | {kernel} | {min_chunk} | {ctas} | {splits} "
+                             f"| {ms * 1e3:.1f} | {case.kv_bytes() / ms / 1e9:.2f} |")
         del case
     tlcuda.set_decode_policy(0, 0)
+    tlcuda.set_decode_kernel("pipelined")
     return lines
 
 
@@ -209,9 +241,9 @@ def bench_prefill(args, dtype):
     """Causal prefill of a fresh prompt (ctx 0) and of a chunk after a cached context."""
     from trtllm_lite import cuda as tlcuda
     nh, nkv, d = HEAD_CONFIGS["Llama-8B-like"]
-    lines = ["| context | chunk | ours ms | ours TFLOP/s | SDPA (causal, fresh prompt) ms |",
-             "|---|---|---|---|---|"]
-    for ctx, qlen in ((0, 4096), (8192, 512)):
+    lines = ["| context | chunk | ours ms | ours TFLOP/s | SDPA (causal, fresh prompt) ms | "
+             "rel err vs SDPA |", "|---|---|---|---|---|---|"]
+    for ctx, qlen in args.prefill_cases:
         bs = args.block_size
         nblk = -(-(ctx + qlen) // bs)
         kc = torch.randn(nblk, bs, nkv, d, dtype=dtype, device=args.device)
@@ -229,17 +261,23 @@ def bench_prefill(args, dtype):
                 context_lens=cl.data_ptr(), query_start_loc=qsl.data_ptr(), num_seqs=1,
                 num_tokens=qlen, max_query_len=qlen, num_heads=nh, num_kv_heads=nkv, head_dim=d,
                 block_size=bs, max_blocks_per_seq=nblk, scale=d ** -0.5,
-                stream=torch.cuda.current_stream().cuda_stream)
+                stream=current_stream(args.device))
         ms = median_replay_ms([launch], args.reps, args.device)
         flops = 4 * nh * d * qlen * (ctx + (qlen + 1) / 2)  # QK^T and PV over visible keys
-        peer = "-"
-        if ctx == 0:
-            qq, kk = q.transpose(0, 1).unsqueeze(0), torch.randn(1, nkv, qlen, d, dtype=dtype,
-                                                                 device=args.device)
-            pm = median_replay_ms([lambda: F.scaled_dot_product_attention(
-                qq, kk, kk, is_causal=True, enable_gqa=True)], args.reps, args.device)
+        peer, err = "-", "-"
+        if ctx == 0:  # the same prompt through SDPA on a contiguous copy of its K/V
+            qq = q.transpose(0, 1).unsqueeze(0)
+            kk = kc[bt[0]].flatten(0, 1)[:qlen].transpose(0, 1).unsqueeze(0).contiguous()
+            vv = vc[bt[0]].flatten(0, 1)[:qlen].transpose(0, 1).unsqueeze(0).contiguous()
+            attend = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                qq, kk, vv, is_causal=True, enable_gqa=True)
+            pm = median_replay_ms([attend], args.reps, args.device)
             peer = f"{pm:.3f}"
-        lines.append(f"| {ctx} | {qlen} | {ms:.3f} | {flops / ms / 1e9:.1f} | {peer} |")
+            out.fill_(float("nan"))
+            launch()
+            ref = attend()[0].transpose(0, 1).float()
+            err = f"{((out.float() - ref).norm() / ref.norm()).item():.1e}"
+        lines.append(f"| {ctx} | {qlen} | {ms:.3f} | {flops / ms / 1e9:.1f} | {peer} | {err} |")
     return lines
 
 
@@ -249,16 +287,19 @@ def render(rows, copy_bw, args, extra):
     out = [f"GPU: {gpu}; torch {torch.__version__}; dtype {args.dtype}; block_size "
            f"{args.block_size}; measured device copy bandwidth (read + write): {bound:.2f} TB/s.",
            "",
+           "ours = the default (pipelined) decode kernel; regs = the register-load variant; "
+           "speed-up = SDPA time / ours.",
+           "",
            "| model (q/kv/d) | batch | context | K/V MiB | splits | ours µs | ours TB/s | "
-           "% of copy bw | SDPA µs | SDPA TB/s | ours vs SDPA | rel err vs SDPA |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "% of copy bw | regs µs | SDPA µs | SDPA TB/s | speed-up vs SDPA | rel err vs SDPA |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ours_bw = r.kv_bytes / (r.ours_us * 1e-6) / 1e12
         sdpa_bw = r.kv_bytes / (r.sdpa_us * 1e-6) / 1e12
         out.append(f"| {r.model} ({'/'.join(map(str, r.heads))}) | {r.batch} | {r.context} | "
                    f"{r.kv_bytes / 2**20:.1f} | {r.splits} | {r.ours_us:.1f} | {ours_bw:.2f} | "
-                   f"{100 * ours_bw / bound:.0f}% | {r.sdpa_us:.1f} | {sdpa_bw:.2f} | "
-                   f"{r.sdpa_us / r.ours_us:.2f}x | {r.rel_err:.1e} |")
+                   f"{100 * ours_bw / bound:.0f}% | {r.regs_us:.1f} | {r.sdpa_us:.1f} | "
+                   f"{sdpa_bw:.2f} | {r.sdpa_us / r.ours_us:.2f}x | {r.rel_err:.1e} |")
     return "\n".join(out + [""] + extra) + "\n"
 
 
@@ -273,12 +314,23 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="*", default=BATCHES)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, torch stand-in")
+    ap.add_argument("--emulation", type=Path, default=None,
+                    help="CPU, tiny sizes, kernels from this emulation library")
     args = ap.parse_args(argv)
-    args.device = "cpu" if args.dry_run else "cuda"
-    if args.dry_run:
+    args.device = "cpu" if args.dry_run or args.emulation else "cuda"
+    args.sweep_context, args.sweep_batch = 32768, 0
+    args.prefill_cases = ((0, 4096), (8192, 512))
+    if args.device == "cpu":
         args.contexts, args.batches, args.reps, args.max_rotations = [64, 200], [1, 3], 2, 2
-        args.no_sweep = True
-    elif not torch.cuda.is_available():
+        args.sweep_context, args.sweep_batch = 700, 2
+        args.prefill_cases = ((0, 100), (300, 40))
+        args.no_sweep = not args.emulation
+    if args.emulation:
+        global EMULATED
+        EMULATED = True
+        from trtllm_lite import cuda as tlcuda
+        tlcuda.use_library(args.emulation)
+    elif args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_cuda_attention: no CUDA device (use --dry-run to test the plumbing)")
     dtype = getattr(torch, args.dtype)
     copy_bw = copy_bandwidth(args.device)
@@ -290,8 +342,8 @@ def main(argv=None):
                 row = bench_decode(model, heads, batch, context, args, dtype)
                 rows.append(row)
                 print(f"{model} b{batch} ctx{context}: ours {row.ours_us:.1f} µs "
-                      f"({row.kv_bytes / row.ours_us / 1e6:.2f} TB/s), sdpa {row.sdpa_us:.1f} µs, "
-                      f"err {row.rel_err:.1e}", flush=True)
+                      f"({row.kv_bytes / row.ours_us / 1e6:.2f} TB/s), regs {row.regs_us:.1f} µs, "
+                      f"sdpa {row.sdpa_us:.1f} µs, err {row.rel_err:.1e}", flush=True)
     extra = []
     if not args.no_sweep:
         extra += ["Decode split policy sweep (Llama-8B-like, context 32k):", ""]

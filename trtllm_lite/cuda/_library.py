@@ -97,7 +97,11 @@ def load_library(require_device: bool = True) -> ctypes.CDLL:
         except OSError as exc:
             raise CudaKernelsUnavailable(f"cannot load {found[0]}: {exc}") from exc
         for name, (restype, argtypes) in _SIGNATURES.items():
-            fn = getattr(lib, name)
+            try:
+                fn = getattr(lib, name)
+            except AttributeError as exc:
+                raise CudaKernelsUnavailable(
+                    f"{found[0]} lacks {name}: built from older sources, rebuild it") from exc
             fn.restype, fn.argtypes = restype, argtypes
         if lib.tl_abi_version() != ABI_VERSION:
             raise CudaKernelsUnavailable(
