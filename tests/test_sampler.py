@@ -99,3 +99,11 @@ def test_logprobs_are_of_the_sampled_distribution():
 def test_out_of_range_values_name_the_parameter(kw, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kw)
+
+
+def test_bad_words_forbid_their_last_token_after_their_prefix():
+    r = row(output=[5, 6])
+    r.bad_words_ids = ((3,), (6, 2), (9, 4))
+    x = processed([1.0] * 10, r)
+    assert x[3] == -np.inf and x[2] == -np.inf     # single-token word; prefix [6] matches the output's end
+    assert x[4] == 1.0                              # prefix [9] does not

@@ -130,3 +130,10 @@ def test_logprobs_and_prompt_logprobs_shapes(smollm2_llm, greedy_reference):
         assert token in lp and lp[token].rank == 1            # greedy picks the top token
         assert len(lp) == 3
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+
+
+def test_bad_words_are_never_generated(smollm2_llm):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = smollm2_llm.chat(chat, SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].text
+    banned = smollm2_llm.chat(chat, SamplingParams(max_tokens=12, temperature=0, bad_words=["Paris"]))[0]
+    assert "Paris" in plain and "Paris" not in banned.outputs[0].text

@@ -1,6 +1,6 @@
 """Vectorised token sampling over the whole batch (numpy).
 
-Order, as in vLLM: logit bias -> min_tokens (EOS / stop tokens forbidden) -> penalties
+Order, as in vLLM: logit bias -> min_tokens (EOS / stop tokens forbidden) -> bad words -> penalties
 (repetition over prompt + output; presence and frequency over output) -> greedy rows take
 the argmax; sampled rows: temperature -> top-k -> softmax -> top-p (Holtzman et al. 2019)
 -> min-p (Nguyen et al. 2024) -> inverse-CDF sampling with one uniform draw per row. A
@@ -27,6 +27,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_ids: tuple[int, ...] = ()       # EOS (unless ignored) + stop_token_ids, for min_tokens
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never to complete
 
 
 @dataclass(slots=True)
@@ -61,6 +62,16 @@ def apply_min_tokens(x: np.ndarray, rows: list[SamplingRow]) -> None:
     for r, row in enumerate(rows):
         if row.stop_ids and len(row.output_token_ids) < row.params.min_tokens:
             x[r, list(row.stop_ids)] = -np.inf
+
+
+def apply_bad_words(x: np.ndarray, rows: list[SamplingRow]) -> None:
+    """Forbid the last token of each bad word whose other tokens end the output. In place."""
+    for r, row in enumerate(rows):
+        out = row.output_token_ids
+        for word in row.bad_words_ids:
+            prefix = list(word[:-1])
+            if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix):
+                x[r, word[-1]] = -np.inf
 
 
 def apply_penalties(x: np.ndarray, rows: list[SamplingRow]) -> None:
@@ -164,6 +175,7 @@ class Sampler:
         x = np.array(logits, np.float32, copy=True)
         apply_logit_bias(x, rows)
         apply_min_tokens(x, rows)
+        apply_bad_words(x, rows)
         apply_penalties(x, rows)
         return x
 

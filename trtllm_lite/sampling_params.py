@@ -27,6 +27,8 @@ class SamplingParams:
         stop: strings that end the output (found across token boundaries); the text is cut
             before the first occurrence unless ``include_stop_str_in_output``.
         stop_token_ids: tokens that end the output (as EOS does unless ``ignore_eos``).
+        bad_words: strings never generated: each is tokenized (with and without a leading
+            space); its last token is forbidden whenever the output ends with the rest.
     Output:
         logprobs: top-N log-probabilities per output token, of the distribution actually
             sampled from, plus the sampled token's own.
@@ -52,6 +54,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -62,6 +65,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
         self._check()
 
     def _check(self) -> None:
@@ -97,6 +103,8 @@ class SamplingParams:
             bad("seed", "must be a non-negative integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if any(not isinstance(s, str) or not s.strip() for s in self.bad_words):
+            bad("bad_words", "must be non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):

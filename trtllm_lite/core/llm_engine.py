@@ -167,12 +167,27 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
             raise ValueError("request_id must be a non-empty string")
-        request = Request(rid, prompt if isinstance(prompt, str) else None, ids, params)
+        request = Request(rid, prompt if isinstance(prompt, str) else None, ids, params,
+                          bad_words_ids=self._bad_words_ids(params.bad_words))
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         request.seqs.append(self._new_sequence(request, 0, cache_salt))
         self.scheduler.check_fits(request.seqs[0])
         return request
+
+    def _bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Token sequences of each bad word, with and without a leading space (as vLLM)."""
+        if not words:
+            return ()
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine has none")
+        seqs = set()
+        for word in words:
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids:
+                    seqs.add(tuple(ids))
+        return tuple(sorted(seqs))
 
     def _new_sequence(self, request: Request, index: int, cache_salt: str | None) -> Sequence:
         seq = Sequence(request.request_id, request.prompt_token_ids, request.params, index=index,
@@ -277,7 +292,8 @@ class LLMEngine:
         while active:
             seqs = [s for s, _, _ in active]
             rows = [SamplingRow(s.params, s.generator, s.prompt_token_ids, s.output_token_ids,
-                                () if s.num_output_tokens >= s.params.min_tokens else self._stop_ids(s.params))
+                                () if s.num_output_tokens >= s.params.min_tokens else self._stop_ids(s.params),
+                                s.request.bad_words_ids)
                     for s in seqs]
             tokens, lps = self.sampler(logits[[r[position] for _, r, _ in active]], rows)
             still = []

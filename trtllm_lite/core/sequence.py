@@ -95,6 +95,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list | None = None
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def finished(self) -> bool:
