@@ -30,9 +30,8 @@ class BuildConfig:
     Weight-only quantization (:mod:`builder.quantize`): ``quantization`` ``none`` / ``int8`` /
     ``int4``; ``quant_block_size`` weights per scale; ``quant_symmetric`` (else an integer
     zero point per block); ``quantize_lm_head`` (the lm_head / tied embedding stays float32
-    otherwise); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations;
-    4: int8 activations, faster, changes results; default 0 for int4 and 4 for int8, whose
-    only fast ONNX Runtime CPU kernel is int8; the runtime can override it).
+    otherwise); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations,
+    the default; 4: int8 activations, faster, changes results; the runtime can switch).
     """
 
     backend: str = "onnxruntime"
@@ -61,7 +60,7 @@ class BuildConfig:
         if self.quant_block_size < 16 or self.quant_block_size & (self.quant_block_size - 1):
             raise ValueError(f"--quant-block-size must be a power of two >= 16, got {self.quant_block_size}")
         if self.accuracy_level is None:
-            self.accuracy_level = 4 if self.quantization == "int8" else 0
+            self.accuracy_level = 0
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"--accuracy-level must be in 0..4, got {self.accuracy_level}")
         if self.max_seq_len > max_positions:
@@ -114,7 +113,7 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
          f"({time.time() - t0:.1f} s)")
     os.makedirs(output, exist_ok=True)
     quantized = quantize_model(loaded, bc.quantization, bc.quant_block_size, bc.quant_symmetric,
-                               bc.quantize_lm_head, log=_log)
+                               bc.quantize_lm_head, bc.accuracy_level, log=_log)
     graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len, quantized, bc.accuracy_level)
     _log(f"exported prefill and decode graphs ({len(graphs['decode'].graph.node)} nodes each)")
 

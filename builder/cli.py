@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-lm-head", action="store_true",
                    help="also quantize the lm_head / tied embedding (kept float32 otherwise)")
     p.add_argument("--accuracy-level", type=int, default=None, choices=[0, 1, 2, 3, 4],
-                   help="MatMulNBits compute precision: 0 float32 activations, 4 int8 "
-                        "(default 0 for int4, 4 for int8)")
+                   help="MatMulNBits compute precision: 0 float32 activations (default), "
+                        "4 int8 activations (faster, changes results)")
 
 
 def run(args: argparse.Namespace) -> int:

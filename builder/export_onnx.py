@@ -80,8 +80,9 @@ class DecoderGraphWriter:
     def linear(self, x: str, prefix: str, outputs: int | list[str] = 1) -> str:
         """``x [T, in] @ W^T (+ b)`` with ``W [out, in]`` stored as the checkpoint keeps it.
 
-        A quantized weight becomes ``com.microsoft.MatMulNBits`` (see :mod:`builder.quantize`),
-        plus ``Gemm(blocksum(x), offsets, C=y)`` when its blocks carry float offsets (Q4_1).
+        A quantized weight becomes ``com.microsoft.MatMulNBits`` (see :mod:`builder.quantize`)
+        over ``x`` (``[x, x]`` for a split 8-bit weight), plus ``Gemm(blocksum(x), offsets,
+        C=y)`` when its blocks carry float offsets (Q4_1, split 8-bit).
         """
         name, q = prefix + ".weight", self.quantized.get(prefix + ".weight")
         if q is None:
@@ -91,15 +92,16 @@ class DecoderGraphWriter:
             return self.w.op("Gemm", *args, transB=1, outputs=outputs)
         bias = self.weight(prefix + ".bias") if self.has(prefix + ".bias") else ""
         zp = self.weight(name + ".zero_points") if q.zero_points is not None else ""
-        args = [x, self.weight(name + ".qweight"), self.weight(name + ".scales"), zp, "", bias]
+        xin = x if q.repeats == 1 else self.w.op("Concat", *[x] * q.repeats, axis=1)
+        args = [xin, self.weight(name + ".qweight"), self.weight(name + ".scales"), zp, "", bias]
         while not args[-1]:
             args.pop()
-        attrs = dict(K=q.k, N=q.n, bits=q.bits, block_size=q.block_size, domain=MS_DOMAIN,
+        attrs = dict(K=q.kernel_k, N=q.n, bits=q.bits, block_size=q.block_size, domain=MS_DOMAIN,
                      accuracy_level=self.accuracy_level)
         if q.offsets is None:
             return self.w.op("MatMulNBits", *args, outputs=outputs, **attrs)
         y = self.w.op("MatMulNBits", *args, **attrs)
-        blocks = self.w.op("Reshape", x, self.w.const([-1, q.num_blocks, q.block_size]))
+        blocks = self.w.op("Reshape", x, self.w.const([-1, q.num_offset_blocks, q.block_size]))
         sums = self.w.op("ReduceSum", blocks, self.w.const([-1]), keepdims=0)    # [T, blocks]
         return self.w.op("Gemm", sums, self.weight(name + ".offsets"), y, transB=1, outputs=outputs)
 

@@ -18,6 +18,14 @@ float ``m`` per block, which no integer zero point expresses. With ``offsets = m
 dequantize-then-requantize. (A float ``zero_points`` input ``-m / d`` would express it too,
 but ONNX Runtime 1.32's CPU kernel then dequantizes the whole B to float32 on every call.)
 
+ONNX Runtime 1.32's CPU kernels (measured here, :mod:`tools.bench`): 4-bit with float32
+activations (``accuracy_level`` 0) has a fast packed kernel; 8-bit has one only with int8
+activations (level 4), which changes results. So an 8-bit weight meant for level 0 is
+stored **split** (:func:`split_8bit`), exactly: with ``u = 16 h + l`` (its two nibbles),
+``s (u - z) = 16 s (h - 8) + s (l - 8) + s (136 - z)``, i.e. a 4-bit MatMulNBits over
+``K' = 2K`` (``repeats = 2``: the exporter feeds it ``[A, A]``) with scales ``16 s`` for the
+high-nibble blocks and ``s`` for the low ones, plus offsets ``s (136 - z)``.
+
 GGUF block layouts (llama.cpp ``ggml-common.h``; 32 weights per block, little-endian)::
 
     Q4_0  18 bytes: d fp16, qs[16]            w[j] = d * (q[j] - 8)
@@ -47,6 +55,8 @@ class QuantizedLinear:
     """One ``[N, K]`` linear weight in MatMulNBits form (shapes in the module docstring).
 
     ``source`` says where the codes came from: ``"gguf:Q4_1"`` (exact) or ``"float"``.
+    ``repeats``: the kernel reads the input ``repeats`` times over (``K' = repeats * K``,
+    see :func:`split_8bit`); ``qweight``/``scales`` cover ``K'``, ``offsets`` cover ``K``.
     """
 
     n: int
@@ -58,9 +68,21 @@ class QuantizedLinear:
     zero_points: np.ndarray | None = None
     offsets: np.ndarray | None = None
     source: str = "float"
+    repeats: int = 1
+
+    @property
+    def kernel_k(self) -> int:
+        """K of the MatMulNBits node (``repeats * k``)."""
+        return self.repeats * self.k
 
     @property
     def num_blocks(self) -> int:
+        """Blocks per row of ``qweight`` / ``scales``."""
+        return -(-self.kernel_k // self.block_size)
+
+    @property
+    def num_offset_blocks(self) -> int:
+        """Blocks per row of the input (and of ``offsets``)."""
         return -(-self.k // self.block_size)
 
     @property
@@ -82,10 +104,11 @@ class QuantizedLinear:
         else:
             per_row = -(-nb * self.bits // 8)
             zp = unpack_codes(self.zero_points.reshape(self.n, per_row), self.bits)[:, :nb].astype(np.float64)
-        w = (q - zp[..., None]) * self.scales.astype(np.float64)[..., None]
+        w = ((q - zp[..., None]) * self.scales.astype(np.float64)[..., None]).reshape(self.n, -1)
+        w = sum(w[:, r * self.k:(r + 1) * self.k] for r in range(self.repeats))
         if self.offsets is not None:
-            w += self.offsets.astype(np.float64)[..., None]
-        return w.reshape(self.n, nb * bs)[:, :self.k].astype(np.float32)
+            w += np.repeat(self.offsets.astype(np.float64), bs, axis=1)[:, :self.k]
+        return w.astype(np.float32)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -148,6 +171,26 @@ def quantize_weight(w: np.ndarray, bits: int, block_size: int = 32, symmetric: b
                            scales.astype(np.float32), zero_points)
 
 
+def split_8bit(q: QuantizedLinear) -> QuantizedLinear:
+    """The same 8-bit weight as a 4-bit MatMulNBits over ``[A, A]`` (module docstring), exactly.
+
+    Raises:
+        ValueError: ``q`` is not 8-bit, already has offsets, or K is not a multiple of the block.
+    """
+    if q.bits != 8 or q.offsets is not None or q.repeats != 1 or q.k % q.block_size:
+        raise ValueError("split_8bit needs an 8-bit weight without offsets whose K is a multiple "
+                         f"of its block size (bits {q.bits}, K {q.k}, block {q.block_size})")
+    nb, bs = q.num_blocks, q.block_size
+    u = q.codes().reshape(q.n, nb, bs)
+    zp = (np.full((q.n, nb), 128.0) if q.zero_points is None
+          else q.zero_points.reshape(q.n, nb).astype(np.float64))
+    codes = np.concatenate([u >> 4, u & 15], axis=1)                       # [N, 2 nb, bs]
+    scales = np.concatenate([16 * q.scales, q.scales], axis=1)
+    offsets = (q.scales.astype(np.float64) * (136.0 - zp)).astype(np.float32)
+    return QuantizedLinear(q.n, q.k, 4, bs, pack_codes(codes, 4), scales.astype(np.float32),
+                           offsets=offsets, source=q.source + "+split", repeats=2)
+
+
 def _f16(raw: np.ndarray, start: int) -> np.ndarray:
     return raw[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
@@ -198,13 +241,16 @@ def linear_weight_names(config, include_lm_head: bool) -> list[str]:
 
 
 def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: bool = True,
-                   quantize_lm_head: bool = False, log=None) -> dict[str, QuantizedLinear]:
+                   quantize_lm_head: bool = False, accuracy_level: int = 0, log=None
+                   ) -> dict[str, QuantizedLinear]:
     """Choose and quantize the linear weights of a :class:`~builder.loaders.LoadedModel`.
 
     A weight the GGUF stores in a type of the requested width (Q4_0/Q4_1 for ``int4``,
     Q8_0 for ``int8``) is mapped exactly (:func:`from_gguf`, block size 32); any other is
     block-quantized from its float values (:func:`quantize_weight`). The lm_head (tied
-    embedding or not) stays float32 unless ``quantize_lm_head``.
+    embedding or not) stays float32 unless ``quantize_lm_head``. 8-bit weights are stored
+    split (:func:`split_8bit`) unless ``accuracy_level`` is 4 (int8 activations) or their K is
+    not a multiple of the block.
 
     Returns:
         canonical weight name -> :class:`QuantizedLinear` (empty for ``"none"``).
@@ -222,10 +268,13 @@ def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: b
     for name in linear_weight_names(loaded.config, quantize_lm_head):
         kind, data = raw.get(name, (None, None))
         w = loaded.weights[name]
-        if kind in exact and block_size == GGUF_BLOCK:
+        head_q8 = kind == "Q8_0" and name in ("embed.weight", "lm_head.weight")  # stays 8-bit, exactly
+        if (kind in exact or head_q8) and block_size == GGUF_BLOCK:
             out[name] = from_gguf(kind, data, w.shape[1])
         else:
             out[name] = quantize_weight(w, bits, block_size, symmetric)
+        if out[name].bits == 8 and accuracy_level < 4 and out[name].k % out[name].block_size == 0:
+            out[name] = split_8bit(out[name])
         counts[out[name].source] = counts.get(out[name].source, 0) + 1
     if log:
         log(f"quantized {len(out)} linear weights to {quantization} ("

@@ -14,7 +14,7 @@ from builder.export_onnx import DecoderGraphWriter
 from builder.loaders import load_model
 from builder.model_config import ModelConfig
 from builder.onnx_graph import OPSET, WeightStore
-from builder.quantize import from_gguf, quantize_model, quantize_weight
+from builder.quantize import from_gguf, quantize_model, quantize_weight, split_8bit
 from trtllm_lite import LLM, SamplingParams
 from trtllm_lite.runners.base import ScheduledSeq, StepBatch
 
@@ -82,17 +82,24 @@ def run_linear(q, x, accuracy_level=0):
     return sess.run(None, {"a": x})[0]
 
 
-CASES = [("gguf", "Q4_0"), ("gguf", "Q4_1"), ("gguf", "Q8_0"),
+CASES = [("gguf", "Q4_0"), ("gguf", "Q4_1"), ("gguf", "Q8_0"), ("split", "Q8_0"), ("split", 8, 64, False),
          (4, 16, True), (4, 32, False), (4, 64, True), (4, 128, False), (8, 32, True), (8, 64, False)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_matmul_nbits_computes_the_dequantized_weight(case):
     """ONNX Runtime's kernel reads our packing as we mean it: y == x @ dequant(W)^T."""
-    if case[0] == "gguf":
+    if case[0] in ("gguf", "split") and isinstance(case[1], str):
         q = from_gguf(case[1], gguf_block(case[1], random_weight(k=128))[0], 128)
+    elif case[0] == "split":
+        q = quantize_weight(random_weight(k=128), *case[1:])
     else:
         q = quantize_weight(random_weight(k=100), case[0], case[1], case[2])
+    if case[0] == "split":
+        split = split_8bit(q)
+        assert (split.bits, split.repeats, split.kernel_k) == (4, 2, 2 * q.k)
+        np.testing.assert_allclose(split.dequantize(), q.dequantize(), rtol=1e-6, atol=1e-6)
+        q = split
     x = np.random.default_rng(3).standard_normal((5, q.k)).astype(np.float32)
     expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
     np.testing.assert_allclose(run_linear(q, x), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
