@@ -1,7 +1,6 @@
 """``trtllm-lite build``: checkpoint -> engine directory (graphs, weights, tokenizer, manifest)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -10,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import onnx
 
-from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST
+from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST, sha256_file
 
 from .export_onnx import export_graphs
 from .draft import keep_first_layers
@@ -70,14 +69,6 @@ class BuildConfig:
 
 def _log(msg: str) -> None:
     print(f"[build] {msg}", file=sys.stderr, flush=True)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _versions() -> dict[str, str]:
@@ -149,7 +140,7 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     }
     for name in sorted(os.listdir(output)):
         if name != MANIFEST and os.path.isfile(os.path.join(output, name)):
-            manifest["files"][name] = _sha256(os.path.join(output, name))
+            manifest["files"][name] = sha256_file(os.path.join(output, name))
     with open(os.path.join(output, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     _compile_check(output)

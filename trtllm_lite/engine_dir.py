@@ -48,7 +48,8 @@ class EngineDir:
         return os.path.join(self.path, name)
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -86,7 +87,7 @@ def load_engine_dir(path: str, verify_checksums: bool = True,
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):
             raise EngineError(f"engine file {name!r} is missing from {path!r}")
-        if verify_checksums and _sha256(file_path) != digest:
+        if verify_checksums and sha256_file(file_path) != digest:
             raise EngineError(f"engine file {name!r} in {path!r} fails its sha256 checksum "
                               "(corrupted or modified since the build)")
     return EngineDir(os.path.abspath(path), manifest)
