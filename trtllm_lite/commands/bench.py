@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -156,12 +157,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16],
                    help="requests in flight (one throughput run each)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accuracy-level", type=int, choices=[0, 4], default=None,
+                   help="MatMulNBits compute precision of a quantized engine (default: as built)")
+    p.add_argument("--no-spinning", action="store_true",
+                   help="ONNX Runtime worker threads sleep between operators (shared cores)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..core.llm_engine import LLMEngine
 
+    if args.accuracy_level is not None:
+        os.environ["TRTLLM_LITE_ORT_ACCURACY_LEVEL"] = str(args.accuracy_level)
+    if args.no_spinning:
+        os.environ["TRTLLM_LITE_ORT_SPINNING"] = "0"
     engine = LLMEngine(args.engine, num_threads=args.num_threads, verify_checksums=False,
                        enable_prefix_caching=False)  # repeated prompts must not hit the cache
     vocab = engine.model_config["vocab_size"]
