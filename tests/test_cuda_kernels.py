@@ -148,14 +148,14 @@ def quantized(step, dtype):
     return out
 
 
-def check_against_reference(step, dtype, mode):
+def check_against_reference(step, dtype, mode, **bounds):
     head_dim = step["query"].shape[2]
     scale = head_dim ** -0.5
     q = quantized(step, dtype)
     ref = reference_paged_attention(q["query"], q["key"], q["value"], q["key_cache"],
                                     q["value_cache"], q["block_tables"], q["context_lens"],
                                     q["query_start_loc"], scale)
-    res = tlcuda.run_paged_attention(**step, scale=scale, dtype=dtype, mode=mode)
+    res = tlcuda.run_paged_attention(**step, scale=scale, dtype=dtype, mode=mode, **bounds)
     assert np.isfinite(res.output).all(), "some output elements were not written"
     err = np.linalg.norm(res.output - ref) / np.linalg.norm(ref)
     assert err < TOLERANCE[dtype], f"{mode} {dtype}: relative error {err:.2e}"
@@ -228,6 +228,18 @@ def test_op_dispatch_decode_batch(backend, dtype):
     context_lens = [int(c) for c in rng.integers(0, backend.max_context // 2, size=7)]
     step = random_step(rng, context_lens, [1] * 7, 12, 4, 128, 16)
     check_against_reference(step, dtype, "auto")
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_understated_bounds_stay_correct(backend, mode):
+    """max_seq_len / max_query_len only size the grids: too small must not drop positions."""
+    rng = np.random.default_rng()
+    n = 1 if mode == "decode" else 90
+    context_lens = [int(c) for c in rng.integers(300, backend.max_context, size=3)]
+    step = random_step(rng, context_lens, [n] * 3, 8, 2, 64, 16)
+    # decode: 3 splits of 256 planned for positions < 600, the last one must take the rest
+    check_against_reference(step, "float16", mode, max_query_len=n if n == 1 else 10,
+                            max_seq_len=600)
 
 
 def test_kv_write_skips_negative_slots_and_leaves_the_rest(backend):

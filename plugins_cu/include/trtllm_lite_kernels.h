@@ -54,7 +54,8 @@ int tl_paged_kv_write(int dtype, const void* key, const void* value, void* key_c
                       int num_kv_heads, int head_dim, int block_size, tl_stream_t stream);
 
 /* Bytes of fp32 scratch the split-K (flash-decoding) decode needs; max_seq_len bounds
- * context_lens[s] + 1 over the batch. 0 when no split is used. */
+ * context_lens[s] + 1 over the batch (the split plan is sized from it; an understated bound
+ * stays correct, only slower). 0 when no split is used. */
 size_t tl_decode_workspace_size(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                                 int max_seq_len);
 
@@ -72,7 +73,8 @@ int tl_paged_attention_decode(int dtype, const void* query, const void* key_cach
 /* Prefill / chunked-prefill attention: token j of sequence s attends pool positions
  * [0, context_lens[s] + j] (causal). The step's K/V must already be in the pool. Tiled with an
  * online softmax on tensor cores (FlashAttention-2 style); no score matrix is stored.
- * max_query_len bounds the per-sequence query length (<= 0: use num_tokens). */
+ * max_query_len bounds the per-sequence query length (<= 0: use num_tokens); it only sizes the
+ * grid, so an understated bound stays correct, only slower. */
 int tl_paged_attention_prefill(int dtype, const void* query, const void* key_cache,
                                const void* value_cache, void* out, const int64_t* block_tables,
                                const int64_t* context_lens, const int64_t* query_start_loc,

@@ -62,7 +62,8 @@ struct DecodeWork {
     ng = min(gm, p.group - hc * gm);
     const int kv_len = static_cast<int>(p.context_lens[seq]) + 1;
     t_begin = blockIdx.x * p.chunk;
-    t_end = min(kv_len, t_begin + p.chunk);
+    // The last split takes any remainder, so an understated max_seq_len costs speed only.
+    t_end = blockIdx.x + 1 == gridDim.x ? kv_len : min(kv_len, t_begin + p.chunk);
     return t_begin < kv_len;  // false: split past this sequence's end
   }
   // Pool element offset of position t's row for this KV head.

@@ -43,9 +43,12 @@ struct PrefillParams {
   float scale_log2;
 };
 
+// One block's work on rows [row0, row0 + 64) of (sequence seq, KV head kvh); `rows` =
+// query length x group, `ctx` = cached positions before the chunk. Ks, Vs: shared tiles.
 template <typename T, int D>
-__global__ void __launch_bounds__(kPrefillThreads)
-prefill_kernel(const PrefillParams p) {
+__device__ __forceinline__ void prefill_row_tile(const PrefillParams& p, int seq, int kvh,
+                                                 int q_start, int rows, int ctx, int row0,
+                                                 uint16_t* Ks, uint16_t* Vs) {
   constexpr int LDS = D + 8;                  // shared row stride, elements (16 B padding)
   constexpr int KSTEPS = D / 16;              // MMA k-steps over the head dim
   constexpr int NT = kBN / 8;                 // n-tiles of S per warp
@@ -53,21 +56,9 @@ prefill_kernel(const PrefillParams p) {
   constexpr int VECS = D / 8;                 // 16-byte vectors per K/V row
   constexpr int CHUNKS = kBN * VECS / kPrefillThreads;  // cp.async copies per thread per tile
   static_assert(CHUNKS * kPrefillThreads == kBN * VECS, "tile copy must divide evenly");
-  __shared__ __align__(16) uint16_t Ks[kBN * LDS];
-  __shared__ __align__(16) uint16_t Vs[kBN * LDS];
-  TL_EMU_POISON(Ks);
-  TL_EMU_POISON(Vs);
-
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int seq = blockIdx.z, kvh = blockIdx.y;
-  const int q_start = static_cast<int>(p.query_start_loc[seq]);
-  const int qlen = static_cast<int>(p.query_start_loc[seq + 1]) - q_start;
   const int group = p.group;
-  const int rows = qlen * group;
-  const int row0 = blockIdx.x * kBM;
-  if (row0 >= rows) return;
-  const int ctx = static_cast<int>(p.context_lens[seq]);
   const int kv_end = ctx + (min(rows, row0 + kBM) - 1) / group + 1;  // positions this block needs
 
   // This thread's two rows: rA (fragment row g) and rB (g + 8) of the warp's 16.
@@ -235,6 +226,24 @@ prefill_kernel(const PrefillParams p) {
       *reinterpret_cast<uint32_t*>(out + headB * D + dt * 8 + 2 * t4) =
           Elem<T>::pack(o[dt][2] * invB, o[dt][3] * invB);
   }
+}
+
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kPrefillThreads)
+prefill_kernel(const PrefillParams p) {
+  __shared__ __align__(16) uint16_t Ks[kBN * (D + 8)];
+  __shared__ __align__(16) uint16_t Vs[kBN * (D + 8)];
+  TL_EMU_POISON(Ks);
+  TL_EMU_POISON(Vs);
+  const int seq = blockIdx.z, kvh = blockIdx.y;
+  const int q_start = static_cast<int>(p.query_start_loc[seq]);
+  const int rows = (static_cast<int>(p.query_start_loc[seq + 1]) - q_start) * p.group;
+  const int ctx = static_cast<int>(p.context_lens[seq]);
+  // Row tiles round-robin over blockIdx.x, so any grid covers every row (a too-small
+  // max_query_len costs speed, never correctness). Each tile ends with a barrier.
+  for (int row0 = blockIdx.x * kBM; row0 < rows; row0 += gridDim.x * kBM)
+    prefill_row_tile<T, D>(p, seq, kvh, q_start, rows, ctx, row0, Ks, Vs);
 }
 
 template <typename T, int D>

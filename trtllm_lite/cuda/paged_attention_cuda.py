@@ -121,19 +121,24 @@ class PagedAttentionResult:
 
 def run_paged_attention(query, key, value, key_cache, value_cache, slot_mapping, block_tables,
                         context_lens, query_start_loc, scale: float, dtype: str = "float16",
-                        mode: str = "auto", poison_output: bool = True) -> PagedAttentionResult:
+                        mode: str = "auto", poison_output: bool = True,
+                        max_query_len: int | None = None,
+                        max_seq_len: int | None = None) -> PagedAttentionResult:
     """Run the op on numpy arrays (float inputs are rounded to ``dtype``) and copy results back.
 
     ``mode``: ``"auto"`` (the op's own choice), ``"decode"`` or ``"prefill"`` (force a kernel).
     With ``poison_output`` the output starts as NaN, so unwritten elements show.
+    ``max_query_len`` / ``max_seq_len`` override the bounds computed from the metadata.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs, max_blocks = block_tables.shape
     qsl = np.asarray(query_start_loc, np.int64)
     ctx = np.asarray(context_lens, np.int64)
-    max_query_len = int(np.max(np.diff(qsl))) if num_seqs else 0
-    max_seq_len = int(np.max(ctx + np.diff(qsl))) if num_seqs else 0
+    if max_query_len is None:
+        max_query_len = int(np.max(np.diff(qsl))) if num_seqs else 0
+    if max_seq_len is None:
+        max_seq_len = int(np.max(ctx + np.diff(qsl))) if num_seqs else 0
     dev = {name: DeviceBuffer.from_array(to_device_dtype(arr, dtype)) for name, arr in
            dict(query=query, key=key, value=value, key_cache=key_cache,
                 value_cache=value_cache).items()}
