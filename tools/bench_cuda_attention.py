@@ -211,7 +211,7 @@ def bench_decode(model, heads, batch, context, args, dtype) -> Row:
 def policy_sweep(args, dtype):
     """Decode time at 32k context for a few split policies (tuning aid)."""
     from trtllm_lite import cuda as tlcuda
-    lines = ["| model | batch | kernel | min_chunk | ctas/SM | splits | µs | TB/s |",
+    lines = ["| model | batch | kernel | min_chunk | ctas/SM (0 = occupancy) | splits | µs | TB/s |",
              "|---|---|---|---|---|---|---|---|"]
     for model, batch in (("Llama-8B-like", 1), ("Llama-8B-like", 16), ("SmolLM2-like", 16)):
         heads = HEAD_CONFIGS[model]
@@ -220,8 +220,9 @@ def policy_sweep(args, dtype):
                          dtype, args.device, 1)
         for kernel in ("pipelined", "registers"):
             tlcuda.set_decode_kernel(kernel)
-            for min_chunk, ctas in ((256, 2), (256, 4), (256, 8), (256, 16), (256, 32),
-                                    (1024, 8), (2048, 4)):
+            # ctas/SM: resident blocks the plan assumes (0 = the kernel's occupancy, default)
+            for min_chunk, ctas in ((256, 0), (256, 1), (256, 2), (256, 3), (256, 8),
+                                    (512, 0), (1024, 0)):
                 tlcuda.set_decode_policy(min_chunk, ctas)
                 splits = tlcuda.decode_num_splits(case.batch, nh, nkv, d, case.seq_len)
                 ws = torch.empty(max(16, tlcuda.decode_workspace_size(case.batch, nh, nkv, d,

@@ -94,8 +94,10 @@ int tl_paged_attention(int dtype, const void* query, const void* key, const void
                        int max_blocks_per_seq, float scale, void* workspace,
                        size_t workspace_size, tl_stream_t stream);
 
-/* Decode split policy (for tuning and benchmarks): a split covers at least min_chunk tokens and
- * the grid aims at ctas_per_sm thread blocks per multiprocessor. Values <= 0 restore defaults. */
+/* Decode split policy (for tuning and benchmarks): a split covers at least min_chunk positions
+ * (default 256); the plan fills every SM and keeps the last wave of thread blocks >= 90% full,
+ * assuming ctas_per_sm resident blocks per SM (default: the kernel's measured occupancy).
+ * Values <= 0 restore the defaults. */
 void tl_set_decode_policy(int min_chunk, int ctas_per_sm);
 /* Decode split kernel: how K/V reach the registers (same math and results). */
 enum { TL_DECODE_PIPELINED = 0, /* cp.async into a 3-stage shared-memory ring (default) */

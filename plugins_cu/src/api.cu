@@ -79,8 +79,7 @@ int tl_paged_kv_write(int dtype, const void* key, const void* value, void* key_c
 size_t tl_decode_workspace_size(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                                 int max_seq_len) {
   if (num_seqs <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 0;
-  return tl::plan_decode(num_seqs, num_heads, num_kv_heads, head_dim, max_seq_len)
-      .workspace_bytes;
+  return tl::decode_workspace_bound(num_seqs, num_heads, num_kv_heads, head_dim, max_seq_len);
 }
 
 int tl_decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int head_dim,

@@ -10,11 +10,62 @@ namespace {
 constexpr int kChunkAlign = 128;  // split sizes are multiples of every tile size
 
 struct Policy {
-  int min_chunk = 256;
-  int ctas_per_sm = 8;
+  int min_chunk = 256;    // fewest positions per split
+  int ctas_per_sm = 0;    // resident blocks per SM to plan for; 0: the kernel's occupancy
   int kernel = TL_DECODE_PIPELINED;
 };
 Policy g_policy;
+
+
+// Resident split-kernel blocks per SM (cudaOccupancy..., cached; fp16 and bf16 use the same
+// registers and shared memory).
+int resident_blocks(int kernel, int head_dim, int gm) {
+  if (g_policy.ctas_per_sm > 0) return g_policy.ctas_per_sm;
+  static int cache[2][2][4] = {};
+  const int gi = gm == 1 ? 0 : gm == 2 ? 1 : gm == 4 ? 2 : 3;
+  int& n = cache[kernel == TL_DECODE_REGISTERS][head_dim == 128][gi];
+  if (n > 0) return n;
+  const void* fn = nullptr;
+#define TL_PICK(D, GM)                                                                      \
+  fn = kernel == TL_DECODE_REGISTERS                                                        \
+           ? reinterpret_cast<const void*>(decode_split_registers_kernel<__half, D, GM>)    \
+           : reinterpret_cast<const void*>(decode_split_pipelined_kernel<__half, D, GM>)
+  if (head_dim == 128) {
+    if (gm == 1) TL_PICK(128, 1); else if (gm == 2) TL_PICK(128, 2);
+    else if (gm == 4) TL_PICK(128, 4); else TL_PICK(128, 8);
+  } else {
+    if (gm == 1) TL_PICK(64, 1); else if (gm == 2) TL_PICK(64, 2);
+    else if (gm == 4) TL_PICK(64, 4); else TL_PICK(64, 8);
+  }
+#undef TL_PICK
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, kDecodeThreads, 0) !=
+          cudaSuccess || blocks <= 0) {
+    cudaGetLastError();
+    blocks = 2;
+  }
+  n = blocks;
+  return n;
+}
+
+// Splits per sequence: at least enough blocks to fill every SM once, then the fewest whose
+// last wave is >= 90% full (thread blocks of one launch take about equal time).
+int64_t choose_splits(int64_t blocks, int64_t slots, int64_t max_splits) {
+  const int64_t fill = (slots + blocks - 1) / blocks;
+  if (fill >= max_splits) return max_splits;
+  int64_t best = fill;
+  double best_eff = 0.0;
+  for (int64_t s = fill; s <= max_splits && s <= 4 * fill; ++s) {
+    const int64_t total = blocks * s;
+    const double eff = static_cast<double>(total) / (((total + slots - 1) / slots) * slots);
+    if (eff > best_eff + 1e-9) {
+      best = s;
+      best_eff = eff;
+    }
+    if (eff >= 0.9) break;
+  }
+  return best;
+}
 
 int heads_per_cta(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
 
@@ -58,26 +109,28 @@ int set_decode_kernel(int kernel) {
   return 0;
 }
 
-DecodePlan plan_decode(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                       int max_seq_len) {
+DecodePlan plan_decode_for(int kernel, int num_seqs, int num_heads, int num_kv_heads,
+                           int head_dim, int max_seq_len) {
   DecodePlan plan{};
   const int group = num_heads / num_kv_heads;
   plan.heads_per_cta = heads_per_cta(group);
   const int head_chunks = (group + plan.heads_per_cta - 1) / plan.heads_per_cta;
   const int64_t blocks = static_cast<int64_t>(num_seqs) * num_kv_heads * head_chunks;
-  const int64_t target = static_cast<int64_t>(sm_count()) * g_policy.ctas_per_sm;
-  const int64_t want = (target + blocks - 1) / blocks;  // splits per sequence wanted
+  const int64_t slots =
+      static_cast<int64_t>(sm_count()) * resident_blocks(kernel, head_dim, plan.heads_per_cta);
   max_seq_len = max_seq_len > 1 ? max_seq_len : 1;
-  if (want <= 1) {
-    plan.chunk = max_seq_len;
-    plan.num_splits = 1;
-  } else {
+  const int64_t max_splits = (max_seq_len + g_policy.min_chunk - 1) / g_policy.min_chunk;
+  const int64_t want = blocks >= slots ? 1 : choose_splits(blocks, slots, max_splits);
+  plan.chunk = max_seq_len;
+  plan.num_splits = 1;
+  if (want > 1) {
     int chunk = static_cast<int>((max_seq_len + want - 1) / want);
     chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
     chunk = chunk > g_policy.min_chunk ? chunk : g_policy.min_chunk;
-    plan.chunk = chunk;
-    plan.num_splits = (max_seq_len + chunk - 1) / chunk;
-    if (plan.num_splits == 1) plan.chunk = max_seq_len;
+    if (chunk < max_seq_len) {
+      plan.chunk = chunk;
+      plan.num_splits = (max_seq_len + chunk - 1) / chunk;
+    }
   }
   plan.workspace_bytes =
       plan.num_splits == 1
@@ -85,6 +138,23 @@ DecodePlan plan_decode(int num_seqs, int num_heads, int num_kv_heads, int head_d
           : static_cast<size_t>(num_seqs) * num_heads * plan.num_splits * (head_dim + 2) *
                 sizeof(float);
   return plan;
+}
+
+DecodePlan plan_decode(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                       int max_seq_len) {
+  return plan_decode_for(g_policy.kernel, num_seqs, num_heads, num_kv_heads, head_dim,
+                         max_seq_len);
+}
+
+size_t decode_workspace_bound(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                              int max_seq_len) {
+  size_t most = 0;
+  for (int kernel : {TL_DECODE_PIPELINED, TL_DECODE_REGISTERS}) {
+    const size_t b = plan_decode_for(kernel, num_seqs, num_heads, num_kv_heads, head_dim,
+                                     max_seq_len).workspace_bytes;
+    most = b > most ? b : most;
+  }
+  return most;
 }
 
 int launch_decode(bool bf16, const void* query, const void* key_cache, const void* value_cache,

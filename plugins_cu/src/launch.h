@@ -21,6 +21,9 @@ struct DecodePlan {
 };
 DecodePlan plan_decode(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                        int max_seq_len);
+// Workspace that covers the plan of either decode kernel (what tl_decode_workspace_size returns).
+size_t decode_workspace_bound(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                              int max_seq_len);
 void set_decode_policy(int min_chunk, int ctas_per_sm);
 int set_decode_kernel(int kernel);  // TL_DECODE_PIPELINED or TL_DECODE_REGISTERS
 
