@@ -38,7 +38,7 @@ grep -E "Used [0-9]+ registers|spill stores" "$OUT/build.log" | grep -v " 0 byte
 echo "build done at $((SECONDS - t0)) s"
 
 echo "== correctness vs float64 reference"
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -rs \
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -rs \
   -k "not emulation and not compile" 2>&1 \
   | tee "$OUT/pytest.log" | tail -25
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
