@@ -15,8 +15,10 @@ from .export_onnx import export_graphs
 from .draft import keep_first_layers
 from .loaders import load_model
 from .quantize import QUANTIZATIONS, quantize_model
+from .compile_tensorrt import KV_WRITE, PRECISIONS, ProfileLimits, compile_engine, import_tensorrt
 
-BACKENDS = ("onnxruntime",)
+BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
+DTYPES = {"onnxruntime": ("float32",), **PRECISIONS}  # what each backend builds
 
 
 @dataclass
@@ -49,8 +51,14 @@ class BuildConfig:
     def validate(self, max_positions: int) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend {self.backend!r} is not built here; choose from {BACKENDS}")
-        if self.dtype != "float32":
-            raise ValueError(f"--dtype {self.dtype!r}: the onnxruntime backend builds float32")
+        if self.dtype not in DTYPES[self.backend]:
+            raise ValueError(f"--dtype {self.dtype!r}: the {self.backend} backend builds "
+                             f"{' or '.join(DTYPES[self.backend])}")
+        if self.backend in KV_WRITE and self.quantization != "none":
+            raise ValueError(f"--quantization {self.quantization!r}: the {self.backend} backend "
+                             "builds unquantized weights (MatMulNBits is ONNX Runtime's op)")
+        if self.backend in KV_WRITE:
+            import_tensorrt(self.backend)  # fail before exporting when the package is missing
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -105,7 +113,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     os.makedirs(output, exist_ok=True)
     quantized = quantize_model(loaded, bc.quantization, bc.quant_block_size, bc.quant_symmetric,
                                bc.quantize_lm_head, bc.accuracy_level, log=_log)
-    graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len, quantized, bc.accuracy_level)
+    graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len, quantized, bc.accuracy_level,
+                                  KV_WRITE.get(bc.backend, "runtime"))
     _log(f"exported prefill and decode graphs ({len(graphs['decode'].graph.node)} nodes each)")
 
     def progress(done, total):
@@ -120,6 +129,11 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     for level, files in variants.items():
         for kind, file in files.items():
             onnx.save(_set_accuracy_level(graphs[kind], level), os.path.join(output, file))
+    tensorrt = None
+    if bc.backend in KV_WRITE:
+        limits = ProfileLimits(bc.max_num_seqs, bc.max_num_batched_tokens, bc.max_seq_len, bc.block_size)
+        tensorrt = compile_engine(output, bc.backend, bc.dtype, limits, (cfg.num_kv_heads, cfg.head_dim),
+                                  cfg.num_layers, log=_log)
     tokenizer_files = loaded.tokenizer_saver(output) if loaded.tokenizer_saver else []
     _log(f"tokenizer files: {tokenizer_files or 'none (token-id prompts only)'}")
 
@@ -138,12 +152,15 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         "files": {},
         "versions": _versions(),
     }
+    if tensorrt is not None:
+        manifest["tensorrt"] = tensorrt
     for name in sorted(os.listdir(output)):
         if name != MANIFEST and os.path.isfile(os.path.join(output, name)):
             manifest["files"][name] = sha256_file(os.path.join(output, name))
     with open(os.path.join(output, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
-    _compile_check(output)
+    if bc.backend == "onnxruntime":
+        _compile_check(output)
     _log(f"engine ready in {output} ({time.time() - t0:.1f} s)")
     return output
 

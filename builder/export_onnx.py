@@ -16,6 +16,11 @@ and share one external weights file. Graph I/O (``T`` tokens, ``S`` sequences)::
                               the step's K/V, which the runtime stores at slot_mapping
 
 In decode, ``T == S`` and ``query_start_loc == arange(S + 1)``.
+
+``kv_write="in_op"`` (the TensorRT graphs, :mod:`builder.compile_tensorrt`): no ``new_keys`` /
+``new_values``; each PagedAttention node writes its layer's K/V into the pools itself and also
+returns them as ``key_cache_out.{i}`` / ``value_cache_out.{i}`` (graph outputs; the TensorRT
+plugin aliases them to the pool inputs, the runtime binds both to the same device buffer).
 """
 from __future__ import annotations
 
@@ -55,11 +60,39 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
 
 
+KV_WRITES = ("runtime", "in_op")  # who stores the step's K/V: the runtime, or the op itself
+
+
+def in_op_function() -> onnx.FunctionProto:
+    """The PagedAttention function with two more outputs, the pools after the op's KV write.
+
+    ``key_cache_out = ScatterND(key_cache viewed [num_blocks * block_size, Hkv, D],
+    slot_mapping[:, None], key)`` (likewise V), on top of :func:`make_onnx_function`'s
+    attention body. This body defines the in-place op's meaning in ONNX (onnx.checker, ONNX
+    Runtime check it); TensorRT runs the plugin instead, which writes only the step's slots.
+    """
+    fn = make_onnx_function()
+    w = NodeWriter("pa_kv_")
+    q, k, v, kc, vc, slots = fn.input[:6]
+    flat_shape = w.op("Concat", w.const([-1]), w.op("Shape", k, start=1), axis=0)   # [-1, Hkv, D]
+    index = w.op("Unsqueeze", slots, w.const([1]))                                  # [T, 1]
+    for pool, new, out in ((kc, k, "key_cache_out"), (vc, v, "value_cache_out")):
+        flat = w.op("Reshape", pool, flat_shape)
+        w.op("Reshape", w.op("ScatterND", flat, index, new), w.op("Shape", pool), outputs=[out])
+    fn.node.extend(w.nodes)
+    fn.output.extend(["key_cache_out", "value_cache_out"])
+    return fn
+
+
 class DecoderGraphWriter:
     """Writes one graph (prefill or decode) over the shared :class:`WeightStore`."""
 
     def __init__(self, config: ModelConfig, weights: WeightStore, max_seq_len: int, kind: str,
-                 quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0):
+                 quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0,
+                 kv_write: str = "runtime"):
+        if kv_write not in KV_WRITES:
+            raise ValueError(f"kv_write must be one of {KV_WRITES}, got {kv_write!r}")
+        self.kv_write = kv_write
         self.c, self.weights, self.kind = config, weights, kind
         self.quantized, self.accuracy_level = quantized or {}, accuracy_level
         self.max_seq_len = max_seq_len
@@ -131,9 +164,12 @@ class DecoderGraphWriter:
         v = w.op("Reshape", v, w.const([-1, hkv, d]))
         if cos is not None:
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        in_op = self.kv_write == "in_op"
+        outs = [w.fresh("pa_out"), f"key_cache_out.{i}", f"value_cache_out.{i}"] if in_op else 1
         out = w.op(OP_TYPE, q, k, v, f"key_cache.{i}", f"value_cache.{i}", *GRAPH_INPUTS[2:],
-                   domain=DOMAIN, name=f"layers.{i}.paged_attention",
+                   domain=DOMAIN, name=f"layers.{i}.paged_attention", outputs=outs,
                    num_heads=hq, num_kv_heads=hkv, scale=float(d) ** -0.5)
+        out = out[0] if in_op else out
         out = w.op("Reshape", out, w.const([-1, hq * d]))
         return self.linear(out, f"layers.{i}.o"), k, v
 
@@ -160,10 +196,12 @@ class DecoderGraphWriter:
             attn, k, v = self.attention(i, self.norm(x, f"layers.{i}.attn_norm"), cos, sin)
             x = w.op("Add", x, attn)
             x = w.op("Add", x, self.mlp(i, self.norm(x, f"layers.{i}.mlp_norm")))
-            new_keys.append(w.op("Unsqueeze", k, w.const([0])))
-            new_values.append(w.op("Unsqueeze", v, w.const([0])))
-        w.op("Concat", *new_keys, axis=0, outputs=["new_keys"])
-        w.op("Concat", *new_values, axis=0, outputs=["new_values"])
+            if self.kv_write == "runtime":
+                new_keys.append(w.op("Unsqueeze", k, w.const([0])))
+                new_values.append(w.op("Unsqueeze", v, w.const([0])))
+        if self.kv_write == "runtime":
+            w.op("Concat", *new_keys, axis=0, outputs=["new_keys"])
+            w.op("Concat", *new_values, axis=0, outputs=["new_values"])
         if self.kind == "prefill":
             x = w.op("Gather", x, "logits_indices", axis=0)
         lm_head = "embed.weight" if c.tie_word_embeddings else "lm_head.weight"
@@ -190,12 +228,16 @@ class DecoderGraphWriter:
         outputs = [helper.make_tensor_value_info("logits", f32, [rows, c.vocab_size]),
                    helper.make_tensor_value_info("new_keys", f32, [c.num_layers, "num_tokens", *kv]),
                    helper.make_tensor_value_info("new_values", f32, [c.num_layers, "num_tokens", *kv])]
+        if self.kv_write == "in_op":
+            outputs[1:] = [helper.make_tensor_value_info(f"{name}_out.{i}", f32, ["num_blocks", "block_size", *kv])
+                           for i in range(c.num_layers) for name in ("key_cache", "value_cache")]
         graph = helper.make_graph(self.w.nodes, self.kind, inputs, outputs,
                                   initializer=self.weights.initializer_protos(self.used))
         opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)]
         if self.quantized:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-        model = helper.make_model(graph, opset_imports=opsets, functions=[make_onnx_function()],
+        function = make_onnx_function() if self.kv_write == "runtime" else in_op_function()
+        model = helper.make_model(graph, opset_imports=opsets, functions=[function],
                                   producer_name="trtllm-lite")
         model.ir_version = 10
         return model
@@ -211,8 +253,8 @@ def add_rope_tables(config: ModelConfig, weights: WeightStore, max_seq_len: int)
 
 
 def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_len: int,
-                  quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0
-                  ) -> tuple[dict[str, onnx.ModelProto], WeightStore]:
+                  quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0,
+                  kv_write: str = "runtime") -> tuple[dict[str, onnx.ModelProto], WeightStore]:
     """Build the prefill and decode graphs over one weight store.
 
     Args:
@@ -223,6 +265,8 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
             weight, except ``embed.weight``, whose float table the embedding Gather keeps).
         accuracy_level: MatMulNBits ``accuracy_level`` attribute (0/1: float32 arithmetic;
             4: int8 activations).
+        kv_write: ``"runtime"`` (graphs return ``new_keys``/``new_values``; ONNX Runtime,
+            TensorRT-RTX) or ``"in_op"`` (the op writes the pools; TensorRT), module docstring.
     Returns:
         ``({"prefill": model, "decode": model}, store)``; write the store with ``store.write``.
     """
@@ -239,6 +283,7 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
     if config.family == "gpt2" and max_seq_len > config.max_position_embeddings:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds GPT-2's learned positions "
                          f"({config.max_position_embeddings})")
-    graphs = {kind: DecoderGraphWriter(config, store, max_seq_len, kind, quantized, accuracy_level).build()
+    graphs = {kind: DecoderGraphWriter(config, store, max_seq_len, kind, quantized, accuracy_level,
+                                       kv_write).build()
               for kind in ("prefill", "decode")}
     return graphs, store

@@ -101,6 +101,10 @@ class LLMEngine:
             from ..runners.onnxruntime_runner import OnnxRuntimeRunner
 
             return OnnxRuntimeRunner(self.engine, num_kv_blocks, num_threads)
+        if backend in ("tensorrt", "tensorrt-rtx"):
+            from ..runners.tensorrt_runner import TensorRTRunner
+
+            return TensorRTRunner(self.engine, num_kv_blocks, num_threads)
         raise ValueError(f"engine backend {backend!r} has no runner in this runtime")
 
     def _make_proposer(self, num_kv_blocks: int, num_threads: int | None):

@@ -1,0 +1,179 @@
+"""``--backend tensorrt`` / ``--backend tensorrt-rtx``: compile the exported graph into one engine.
+
+One engine per model (``model.plan``), built from the **prefill** graph with two optimization
+profiles, so the weights sit on the GPU once and each kind of step runs kernels tuned for it::
+
+    profile 0 "prefill"  tokens per step T in [1, max_num_batched_tokens], sequences S in
+                         [1, max_num_seqs], logits rows N in [1, max_num_batched_tokens]
+    profile 1 "decode"   T = S = N in [1, max_num_seqs] (one token per sequence)
+    both                 block_tables [S, W], W in [1, ceil(max_seq_len / block_size)];
+                         pools [num_blocks, block_size, Hkv, D], num_blocks in [1, max_num_blocks]
+
+(A decode step is a prefill-graph call whose ``logits_indices`` is ``arange(S)``; the decode
+graph stays in the engine directory for ONNX Runtime.) ``max_num_blocks`` is the most blocks the
+runtime's KV pool may hold: ``max_num_seqs * ceil(max_seq_len / block_size)``, the cap
+:class:`~trtllm_lite.core.llm_engine.LLMEngine` applies.
+
+TensorRT (``tensorrt`` >= 10.3, needs a GPU to build): the ``kv_write="in_op"`` graph, whose
+PagedAttention nodes become the ``trtllm_lite::PagedAttention`` plugin
+(``plugins_cu/tensorrt_plugin``: the C++ library when built, else the Python plugin); the
+plugin writes K/V into the pools in place through outputs aliased to the pool inputs
+(``PreviewFeature.ALIASED_PLUGIN_IO_10_03``). Weakly typed with the ``FP16`` or ``BF16`` builder
+flag (``--dtype``); the pools are network inputs of that type (what the kernels read) and the
+logits stay float32.
+
+TensorRT-RTX (``tensorrt-rtx``, builds on a machine without a GPU; runs on Ampere and newer RTX
+parts, not on data-centre Hopper): no plugin layers exist in TensorRT-RTX, so it takes the
+``kv_write="runtime"`` graph and inlines the op's ONNX function body, float32 throughout (its
+networks are strongly typed: the graph's types are the engine's). Activation memory is sized at
+run time for the step's shapes (``PreviewFeature.RUNTIME_ACTIVATION_RESIZE_10_10``): the
+function body's scores are ``[S, Hkv, G * Q, L]``, far larger at the profile's maximum than at
+a typical step.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from trtllm_lite.runners.tensorrt_runner import (  # noqa: F401  (TensorRTUnavailable: re-exported)
+    TensorRTUnavailable, import_tensorrt, register_plugin)
+
+PLAN_FILE = "model.plan"
+PROFILES = ("prefill", "decode")
+PRECISIONS = {"tensorrt": ("float16", "bfloat16"), "tensorrt-rtx": ("float32",)}
+KV_WRITE = {"tensorrt": "in_op", "tensorrt-rtx": "runtime"}
+
+
+@dataclass(frozen=True)
+class ProfileLimits:
+    """The build limits the optimization profiles span (tokens, sequences, blocks)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.block_size)
+
+    @property
+    def max_num_blocks(self) -> int:
+        """Most KV blocks a pool may hold (``LLMEngine``'s cap on ``num_kv_blocks``)."""
+        return self.max_num_seqs * self.max_blocks_per_seq
+
+
+def profile_shapes(profile: str, limits: ProfileLimits, kv_dims: tuple[int, int],
+                   num_layers: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """``input name -> (min, opt, max)`` shapes of one optimization profile of the prefill graph.
+
+    Args:
+        profile: ``"prefill"`` or ``"decode"`` (module docstring).
+        kv_dims: ``(num_kv_heads, head_dim)``.
+    """
+    lim = limits
+    if profile == "prefill":
+        tokens = (1, min(256, lim.max_num_batched_tokens), lim.max_num_batched_tokens)
+        seqs = (1, min(4, lim.max_num_seqs), lim.max_num_seqs)
+        logits = (1, seqs[1], lim.max_num_batched_tokens)
+    elif profile == "decode":
+        tokens = seqs = logits = (1, min(16, lim.max_num_seqs), lim.max_num_seqs)
+    else:
+        raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    width = (1, min(lim.max_blocks_per_seq, -(-512 // lim.block_size)), lim.max_blocks_per_seq)
+    pool = lim.max_num_blocks
+    shapes = {name: tuple((t,) for t in tokens) for name in ("input_ids", "positions", "slot_mapping")}
+    shapes["block_tables"] = tuple(zip(seqs, width))
+    shapes["context_lens"] = tuple((s,) for s in seqs)
+    shapes["query_start_loc"] = tuple((s + 1,) for s in seqs)
+    shapes["logits_indices"] = tuple((n,) for n in logits)
+    for i in range(num_layers):
+        for name in (f"key_cache.{i}", f"value_cache.{i}"):
+            shapes[name] = tuple((n, lim.block_size, *kv_dims) for n in (1, pool, pool))
+    return shapes
+
+
+def _logger(trt):
+    verbose = os.environ.get("TRTLLM_LITE_TRT_VERBOSE", "0") not in ("", "0")
+    # ERROR by default: the parser warns once per inlined function node (duplicate node names).
+    return trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.ERROR)
+
+
+def _set_precision(trt, network, dtype: str) -> None:
+    """Weakly typed TensorRT: pools in the kernels' type, logits and norm reductions float32."""
+    target = {"float16": trt.float16, "bfloat16": trt.bfloat16}[dtype]
+    for i in range(network.num_inputs):
+        if "_cache." in network.get_input(i).name:
+            network.get_input(i).dtype = target
+    for i in range(network.num_outputs):
+        out = network.get_output(i)
+        out.dtype = target if "_cache_out." in out.name else trt.float32
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.LayerType.REDUCE:     # RMSNorm / LayerNorm statistics
+            layer.precision = trt.float32
+
+
+def build_plan(graph_path: str, backend: str, dtype: str, limits: ProfileLimits,
+               kv_dims: tuple[int, int], num_layers: int) -> tuple[bytes, dict]:
+    """Parse ``graph_path`` (the prefill graph) and build the serialized engine.
+
+    Returns ``(plan bytes, manifest section)``.
+    Raises:
+        TensorRTUnavailable: the package is missing.
+        RuntimeError: the parser or the builder failed (their messages included).
+    """
+    trt = import_tensorrt(backend)
+    logger = _logger(trt)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    plugin = None
+    if backend == "tensorrt":
+        plugin = register_plugin(trt)
+        if hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
+            parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
+    if not parser.parse_from_file(graph_path):
+        errors = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors))
+        raise RuntimeError(f"{backend}: cannot parse {graph_path}: {errors}")
+    config = builder.create_builder_config()
+    if backend == "tensorrt":
+        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+        config.set_flag(trt.BuilderFlag.FP16 if dtype == "float16" else trt.BuilderFlag.BF16)
+        config.set_flag(trt.BuilderFlag.PREFER_PRECISION_CONSTRAINTS)
+        _set_precision(trt, network, dtype)
+    elif hasattr(trt.PreviewFeature, "RUNTIME_ACTIVATION_RESIZE_10_10"):
+        config.set_preview_feature(trt.PreviewFeature.RUNTIME_ACTIVATION_RESIZE_10_10, True)
+    inputs = {network.get_input(i).name for i in range(network.num_inputs)}
+    profiles = {}
+    for name in PROFILES:
+        profile = builder.create_optimization_profile()
+        shapes = {k: v for k, v in profile_shapes(name, limits, kv_dims, num_layers).items() if k in inputs}
+        for tensor, (lo, opt, hi) in shapes.items():
+            profile.set_shape(tensor, lo, opt, hi)
+        config.add_optimization_profile(profile)
+        profiles[name] = {k: [list(s) for s in v] for k, v in shapes.items()}
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError(f"{backend}: the engine build failed for {graph_path} "
+                           "(set TRTLLM_LITE_TRT_VERBOSE=1 for the builder's log)")
+    section = {"plan": PLAN_FILE, "graph": os.path.basename(graph_path), "precision": dtype,
+               "kv_write": KV_WRITE[backend], "profiles": profiles, "profile_index": {
+                   name: i for i, name in enumerate(PROFILES)},
+               "max_num_blocks": limits.max_num_blocks, "version": trt.__version__}
+    if plugin is not None:
+        section["plugin"] = {"name": "PagedAttention", "version": "1", "namespace": "trtllm_lite",
+                             "implementation": plugin}
+    return bytes(plan), section
+
+
+def compile_engine(output: str, backend: str, dtype: str, limits: ProfileLimits,
+                   kv_dims: tuple[int, int], num_layers: int, log=None) -> dict:
+    """Build ``output/model.plan`` from ``output/prefill.onnx``; return the manifest section."""
+    plan, section = build_plan(os.path.join(output, "prefill.onnx"), backend, dtype, limits,
+                               kv_dims, num_layers)
+    with open(os.path.join(output, PLAN_FILE), "wb") as f:
+        f.write(plan)
+    if log:
+        log(f"{backend} engine {PLAN_FILE}: {len(plan) / 2**20:.1f} MiB, profiles {list(PROFILES)}")
+    return section
