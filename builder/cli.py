@@ -14,8 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="engine directory to write")
     p.add_argument("--backend", default=d.backend, choices=BACKENDS)
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
-                   help="weights and activations: float32 (onnxruntime, tensorrt-rtx), "
-                        "float16 or bfloat16 (tensorrt: its PagedAttention kernels)")
+                   help="GEMMs, attention and KV cache: float32 (onnxruntime, tensorrt-rtx), "
+                        "float16 or bfloat16 (tensorrt, tensorrt-rtx)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,

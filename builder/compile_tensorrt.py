@@ -14,21 +14,23 @@ graph stays in the engine directory for ONNX Runtime.) ``max_num_blocks`` is the
 runtime's KV pool may hold: ``max_num_seqs * ceil(max_seq_len / block_size)``, the cap
 :class:`~trtllm_lite.core.llm_engine.LLMEngine` applies.
 
-TensorRT (``tensorrt`` >= 10.3, needs a GPU to build): the ``kv_write="in_op"`` graph, whose
-PagedAttention nodes become the ``trtllm_lite::PagedAttention`` plugin
-(``plugins_cu/tensorrt_plugin``: the C++ library when built, else the Python plugin); the
+Precision (``--dtype``): networks are strongly typed (TensorRT 11 has no other kind; TensorRT-RTX
+neither), so a 16-bit engine is built from :func:`mixed_precision`'s copy of the graph
+(``prefill.<dtype>.onnx``): GEMMs, the PagedAttention op and the KV pools in float16 / bfloat16,
+the residual stream, norms, rotary and logits in float32.
+
+TensorRT (``tensorrt`` >= 10.3, needs a GPU to build; float16 or bfloat16, the kernels' types):
+the ``kv_write="in_op"`` graph, whose PagedAttention nodes become the ``trtllm_lite::PagedAttention``
+plugin (``plugins_cu/tensorrt_plugin``: the C++ library when built, else the Python plugin); the
 plugin writes K/V into the pools in place through outputs aliased to the pool inputs
-(``PreviewFeature.ALIASED_PLUGIN_IO_10_03``). Weakly typed with the ``FP16`` or ``BF16`` builder
-flag (``--dtype``); the pools are network inputs of that type (what the kernels read) and the
-logits stay float32.
+(``PreviewFeature.ALIASED_PLUGIN_IO_10_03``).
 
 TensorRT-RTX (``tensorrt-rtx``, builds on a machine without a GPU; runs on Ampere and newer RTX
-parts, not on data-centre Hopper): no plugin layers exist in TensorRT-RTX, so it takes the
-``kv_write="runtime"`` graph and inlines the op's ONNX function body, float32 throughout (its
-networks are strongly typed: the graph's types are the engine's). Activation memory is sized at
-run time for the step's shapes (``PreviewFeature.RUNTIME_ACTIVATION_RESIZE_10_10``): the
-function body's scores are ``[S, Hkv, G * Q, L]``, far larger at the profile's maximum than at
-a typical step.
+parts, not on data-centre Hopper; float32, float16 or bfloat16): TensorRT-RTX has no plugin
+layers (its network has no ``add_plugin_v3``), so it takes the ``kv_write="runtime"`` graph and
+inlines the op's ONNX function body. Activation memory is sized at run time for the step's
+shapes (``PreviewFeature.RUNTIME_ACTIVATION_RESIZE_10_10``): the function body's scores are
+``[S, Hkv, G * Q, L]``, far larger at the profile's maximum than at a typical step.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from trtllm_lite.runners.tensorrt_runner import (  # noqa: F401  (TensorRTUnavai
 
 PLAN_FILE = "model.plan"
 PROFILES = ("prefill", "decode")
-PRECISIONS = {"tensorrt": ("float16", "bfloat16"), "tensorrt-rtx": ("float32",)}
+PRECISIONS = {"tensorrt": ("float16", "bfloat16"), "tensorrt-rtx": ("float32", "float16", "bfloat16")}
 KV_WRITE = {"tensorrt": "in_op", "tensorrt-rtx": "runtime"}
 
 
@@ -93,25 +95,90 @@ def profile_shapes(profile: str, limits: ProfileLimits, kv_dims: tuple[int, int]
     return shapes
 
 
+def mixed_precision(model, dtype: str):
+    """A copy of an exported graph typed for a strongly typed TensorRT network (TensorRT 11
+    has no other kind): every GEMM and the PagedAttention op run in ``dtype``, the residual
+    stream, norms, rotary and logits stay float32; ``new_keys`` / ``new_values`` (``kv_write=
+    "runtime"``) are ``dtype`` like the pools they are stored in.
+
+    ``Gemm(x, W, b)`` becomes ``Cast(Gemm(Cast(x), Cast(W), Cast(b)), float)`` (TensorRT folds
+    the weight casts at build time, so the engine holds ``dtype`` weights); the op's query / key /
+    value are cast to ``dtype``, its output back to float; the pools (inputs and their aliased
+    outputs) are ``dtype`` tensors, what the kernels read and the runtime allocates.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    low = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}[dtype]
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph, nodes, casts = out.graph, [], {}
+
+    def cast(name: str, to: int) -> str:
+        key = (name, to)
+        if key not in casts:
+            casts[key] = f"{name}.to_{dtype if to == low else 'float'}"
+            nodes.append(helper.make_node("Cast", [name], [casts[key]], to=to))
+        return casts[key]
+
+    for node in graph.node:
+        if node.op_type in ("Gemm", "PagedAttention"):
+            count = len(node.input) if node.op_type == "Gemm" else 3
+            for j in range(count):
+                node.input[j] = cast(node.input[j], low)
+            result = node.output[0]
+            node.output[0] = f"{result}.{dtype}"
+            nodes.append(node)
+            nodes.append(helper.make_node("Cast", [node.output[0]], [result], to=TensorProto.FLOAT))
+        else:
+            nodes.append(node)
+    for name in ("new_keys", "new_values"):               # kv_write="runtime": stored as the pools
+        producer = next((n for n in nodes if name in n.output), None)
+        if producer is not None:
+            producer.output[list(producer.output).index(name)] = f"{name}.float"
+            nodes.append(helper.make_node("Cast", [f"{name}.float"], [name], to=low))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for value in list(graph.input) + list(graph.output):
+        if "_cache" in value.name or value.name in ("new_keys", "new_values"):
+            value.type.tensor_type.elem_type = low
+    for function in out.functions:
+        _type_generic(function)
+    return out
+
+
+def _type_generic(function) -> None:
+    """Let the PagedAttention body run in the type of its inputs: the float constants it adds
+    or multiplies (the softmax scale, the 0 / -inf mask bias) become ``CastLike`` the other
+    operand."""
+    from onnx import TensorProto, helper
+
+    def is_float_const(node) -> bool:
+        if node.op_type != "Constant":
+            return False
+        attr = node.attribute[0]
+        return attr.name == "value_float" or (attr.name == "value" and attr.t.data_type == TensorProto.FLOAT)
+
+    floats = {o for n in function.node if is_float_const(n) for o in n.output}
+    floats |= {n.output[0] for n in function.node
+               if n.op_type == "Where" and n.input[1] in floats and n.input[2] in floats}
+    nodes = []
+    for node in function.node:
+        if node.op_type in ("Add", "Mul", "Sub", "Div"):
+            for j, other in ((0, 1), (1, 0)):
+                if node.input[j] in floats and node.input[other] not in floats:
+                    like = f"{node.input[j]}_like_{node.output[0]}"
+                    nodes.append(helper.make_node("CastLike", [node.input[j], node.input[other]], [like]))
+                    node.input[j] = like
+        nodes.append(node)
+    del function.node[:]
+    function.node.extend(nodes)
+
+
 def _logger(trt):
     verbose = os.environ.get("TRTLLM_LITE_TRT_VERBOSE", "0") not in ("", "0")
     # ERROR by default: the parser warns once per inlined function node (duplicate node names).
     return trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.ERROR)
-
-
-def _set_precision(trt, network, dtype: str) -> None:
-    """Weakly typed TensorRT: pools in the kernels' type, logits and norm reductions float32."""
-    target = {"float16": trt.float16, "bfloat16": trt.bfloat16}[dtype]
-    for i in range(network.num_inputs):
-        if "_cache." in network.get_input(i).name:
-            network.get_input(i).dtype = target
-    for i in range(network.num_outputs):
-        out = network.get_output(i)
-        out.dtype = target if "_cache_out." in out.name else trt.float32
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        if layer.type == trt.LayerType.REDUCE:     # RMSNorm / LayerNorm statistics
-            layer.precision = trt.float32
 
 
 def build_plan(graph_path: str, backend: str, dtype: str, limits: ProfileLimits,
@@ -126,7 +193,7 @@ def build_plan(graph_path: str, backend: str, dtype: str, limits: ProfileLimits,
     trt = import_tensorrt(backend)
     logger = _logger(trt)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     plugin = None
     if backend == "tensorrt":
@@ -139,9 +206,6 @@ def build_plan(graph_path: str, backend: str, dtype: str, limits: ProfileLimits,
     config = builder.create_builder_config()
     if backend == "tensorrt":
         config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
-        config.set_flag(trt.BuilderFlag.FP16 if dtype == "float16" else trt.BuilderFlag.BF16)
-        config.set_flag(trt.BuilderFlag.PREFER_PRECISION_CONSTRAINTS)
-        _set_precision(trt, network, dtype)
     elif hasattr(trt.PreviewFeature, "RUNTIME_ACTIVATION_RESIZE_10_10"):
         config.set_preview_feature(trt.PreviewFeature.RUNTIME_ACTIVATION_RESIZE_10_10, True)
     inputs = {network.get_input(i).name for i in range(network.num_inputs)}
@@ -169,9 +233,18 @@ def build_plan(graph_path: str, backend: str, dtype: str, limits: ProfileLimits,
 
 def compile_engine(output: str, backend: str, dtype: str, limits: ProfileLimits,
                    kv_dims: tuple[int, int], num_layers: int, log=None) -> dict:
-    """Build ``output/model.plan`` from ``output/prefill.onnx``; return the manifest section."""
-    plan, section = build_plan(os.path.join(output, "prefill.onnx"), backend, dtype, limits,
-                               kv_dims, num_layers)
+    """Build ``output/model.plan`` from ``output/prefill.onnx`` (through its
+    :func:`mixed_precision` copy ``prefill.<dtype>.onnx`` for 16-bit engines); return the
+    manifest section."""
+    import onnx
+
+    graph = os.path.join(output, "prefill.onnx")
+    if dtype != "float32":
+        typed = os.path.join(output, f"prefill.{dtype}.onnx")
+        onnx.save(mixed_precision(onnx.load(graph, load_external_data=False), dtype), typed)
+        onnx.checker.check_model(typed, full_check=True)
+        graph = typed
+    plan, section = build_plan(graph, backend, dtype, limits, kv_dims, num_layers)
     with open(os.path.join(output, PLAN_FILE), "wb") as f:
         f.write(plan)
     if log:

@@ -75,6 +75,20 @@ def test_rtx_builds_engine_with_prefill_and_decode_profiles(rtx_engine, tiny_hf)
     assert outputs == ["logits", "new_keys", "new_values"]
 
 
+def test_rtx_builds_float16_engine_from_the_mixed_precision_graph(tiny_hf, tmp_path):
+    if not HAS_RTX:
+        pytest.skip("tensorrt-rtx is not installed (pip install trtllm-lite[rtx])")
+    out = build_engine(tiny_hf, str(tmp_path / "rtx16"), BuildConfig(backend="tensorrt-rtx", dtype="float16", **LIMITS))
+    engine = load_engine_dir(out)
+    info = engine.manifest["tensorrt"]
+    assert info["precision"] == "float16" and info["graph"] == "prefill.float16.onnx"
+    assert {"model.plan", "prefill.float16.onnx"} <= set(engine.manifest["files"])
+    graph = onnx.load(engine.file(info["graph"]), load_external_data=False).graph
+    f16 = onnx.TensorProto.FLOAT16
+    types = {v.name: v.type.tensor_type.elem_type for v in list(graph.input) + list(graph.output)}
+    assert types["key_cache.0"] == types["new_keys"] == f16 and types["logits"] == onnx.TensorProto.FLOAT
+
+
 def test_profile_shapes_span_the_build_limits():
     limits = ProfileLimits(max_num_seqs=8, max_num_batched_tokens=100, max_seq_len=70, block_size=16)
     pre = profile_shapes("prefill", limits, (2, 64), num_layers=1)
@@ -92,8 +106,8 @@ def test_profile_shapes_span_the_build_limits():
 def test_build_options_are_checked_per_backend():
     with pytest.raises(ValueError, match="--dtype 'float32'.*tensorrt backend builds float16 or bfloat16"):
         BuildConfig(backend="tensorrt", dtype="float32").validate(2048)
-    with pytest.raises(ValueError, match="--dtype 'float16'.*tensorrt-rtx backend builds float32"):
-        BuildConfig(backend="tensorrt-rtx", dtype="float16").validate(2048)
+    with pytest.raises(ValueError, match="--dtype 'float64'.*tensorrt-rtx backend builds float32"):
+        BuildConfig(backend="tensorrt-rtx", dtype="float64").validate(2048)
     with pytest.raises(ValueError, match="--quantization 'int4'"):
         BuildConfig(backend="tensorrt-rtx", quantization="int4").validate(2048)
     with pytest.raises(ValueError, match="--dtype 'bfloat16'.*onnxruntime"):
@@ -157,6 +171,34 @@ def test_in_op_graphs_check_and_match_the_runtime_graphs(tiny_hf, tmp_path):
         write_kv_reference(k, v, new_keys[i], new_values[i], feeds["slot_mapping"])
         np.testing.assert_array_equal(in_op[f"key_cache_out.{i}"], k)
         np.testing.assert_array_equal(in_op[f"value_cache_out.{i}"], v)
+
+
+def test_float16_graph_matches_float32_graph(tiny_hf, tmp_path):
+    """The mixed-precision copy TensorRT builds 16-bit engines from, run by ONNX Runtime:
+    float16 GEMMs and attention, float32 residual stream: logits and new K/V close to float32."""
+    from builder.compile_tensorrt import mixed_precision
+
+    loaded = load_model(tiny_hf)
+    cfg = loaded.config
+    graphs, store = export_graphs(cfg, loaded.weights, 256)
+    store.write(str(tmp_path / store.filename))
+    paths = {"float32": str(tmp_path / "p32.onnx"), "float16": str(tmp_path / "p16.onnx")}
+    onnx.save(graphs["prefill"], paths["float32"])
+    onnx.save(mixed_precision(graphs["prefill"], "float16"), paths["float16"])
+    onnx.checker.check_model(paths["float16"], full_check=True)
+    rng = np.random.default_rng(2)
+    feeds = random_step(rng, cfg, 20)
+    results = {}
+    for dtype, path in paths.items():
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        pools = {f"{n}.{i}": np.zeros((20, 4, cfg.num_kv_heads, cfg.head_dim), dtype)
+                 for i in range(cfg.num_layers) for n in ("key_cache", "value_cache")}
+        session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        results[dtype] = session.run(None, {**feeds, **pools})
+    for ref, low in zip(results["float32"], results["float16"]):
+        assert np.linalg.norm(low.astype(np.float64) - ref) / np.linalg.norm(ref) < 1e-2
+    assert results["float16"][0].dtype == np.float32 and results["float16"][1].dtype == np.float16
 
 
 def test_default_export_is_the_onnx_runtime_graph(tiny_hf):

@@ -6,7 +6,7 @@ weights, and both share one activation buffer (they never run at once). Everythi
 touches lives on the GPU:
 
 * KV pools: one device allocation each for K and V, ``[num_layers, num_blocks, block_size,
-  num_kv_heads, head_dim]`` (fp16/bf16 for TensorRT, float32 for TensorRT-RTX); layer ``i``'s
+  num_kv_heads, head_dim]`` in the engine's precision (``--dtype``); layer ``i``'s
   slice is bound once as ``key_cache.{i}`` / ``value_cache.{i}``. Never copied to the host.
 * New K/V: TensorRT (``kv_write="in_op"``): the PagedAttention plugin writes them into the
   pools; ``key_cache_out.{i}`` is bound to the same address as ``key_cache.{i}`` (the plugin's
