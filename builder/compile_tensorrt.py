@@ -205,7 +205,8 @@ def build_plan(graph_path: str, backend: str, dtype: str, limits: ProfileLimits,
         raise RuntimeError(f"{backend}: cannot parse {graph_path}: {errors}")
     config = builder.create_builder_config()
     if backend == "tensorrt":
-        config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+        if hasattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03"):  # a preview feature in 10.x
+            config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     elif hasattr(trt.PreviewFeature, "RUNTIME_ACTIVATION_RESIZE_10_10"):
         config.set_preview_feature(trt.PreviewFeature.RUNTIME_ACTIVATION_RESIZE_10_10, True)
     inputs = {network.get_input(i).name for i in range(network.num_inputs)}

@@ -166,9 +166,10 @@ class DecoderGraphWriter:
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         in_op = self.kv_write == "in_op"
         outs = [w.fresh("pa_out"), f"key_cache_out.{i}", f"value_cache_out.{i}"] if in_op else 1
+        plugin = {"plugin_namespace": DOMAIN} if in_op else {}  # TensorRT's parser: use the plugin
         out = w.op(OP_TYPE, q, k, v, f"key_cache.{i}", f"value_cache.{i}", *GRAPH_INPUTS[2:],
                    domain=DOMAIN, name=f"layers.{i}.paged_attention", outputs=outs,
-                   num_heads=hq, num_kv_heads=hkv, scale=float(d) ** -0.5)
+                   num_heads=hq, num_kv_heads=hkv, scale=float(d) ** -0.5, **plugin)
         out = out[0] if in_op else out
         out = w.op("Reshape", out, w.const([-1, hq * d]))
         return self.linear(out, f"layers.{i}.o"), k, v

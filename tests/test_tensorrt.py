@@ -155,6 +155,11 @@ def test_in_op_graphs_check_and_match_the_runtime_graphs(tiny_hf, tmp_path):
         so.intra_op_num_threads = 1
         sessions[kv_write] = ort.InferenceSession(str(tmp_path / f"prefill.{kv_write}.onnx"), so,
                                                   providers=["CPUExecutionProvider"])
+    nodes = [n for n in onnx.load(str(tmp_path / "prefill.in_op.onnx"), load_external_data=False).graph.node
+             if n.op_type == "PagedAttention"]
+    assert len(nodes) == cfg.num_layers       # the parser's plugin lookup: name, namespace, version
+    assert all(onnx.helper.get_attribute_value(a) == b"trtllm_lite" for n in nodes for a in n.attribute
+               if a.name == "plugin_namespace")
     in_op_outputs = [o.name for o in sessions["in_op"].get_outputs()]
     assert in_op_outputs == ["logits"] + [f"{n}_out.{i}" for i in range(cfg.num_layers)
                                          for n in ("key_cache", "value_cache")]
@@ -270,6 +275,20 @@ def test_plugin_launch_writes_pools_in_place_and_matches_reference(emulated_kern
     write_kv_reference(k_ref, v_ref, host["key"], host["value"], slots)
     k_dev = tlcuda.from_device_dtype(dev["key_cache"].download(k_ref.shape, np.float16), dtype)
     np.testing.assert_array_equal(k_dev, k_ref)
+
+
+def test_python_and_cpp_plugins_declare_the_same_op():
+    """Engines built with either plugin load with either: same name, version, namespace, fields."""
+    from builder.paged_attention import DOMAIN, OP_TYPE, OP_VERSION
+
+    plugin = trt_runner.load_python_plugin()
+    assert (plugin.PLUGIN_NAME, plugin.PLUGIN_VERSION, plugin.PLUGIN_NAMESPACE) == (OP_TYPE, str(OP_VERSION), DOMAIN)
+    cpp = (ROOT / "plugins_cu" / "tensorrt_plugin" / "PagedAttentionPlugin.cpp").read_text()
+    for name, value in (("kName", OP_TYPE), ("kVersion", str(OP_VERSION)), ("kNamespace", DOMAIN)):
+        assert f'{name} = "{value}"' in cpp
+    for field in ("num_heads", "num_kv_heads", "scale"):
+        assert f'PluginField("{field}"' in cpp
+    assert plugin.ALIASES == {1: 3, 2: 4} and "outputIndex == 1 ? kKeyCache" in cpp
 
 
 def test_plugin_arguments_reject_mismatched_heads():
