@@ -7,7 +7,6 @@ import asyncio
 import hashlib
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import pytest
 
 from trtllm_lite import SamplingParams
 from trtllm_lite.serving.client import AsyncLLMClient, LLMClient
-from trtllm_lite.serving.process import ServerProcess, wait_until
+from trtllm_lite.serving.process import ServerProcess, self_signed_cert, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -256,13 +255,10 @@ def test_client_cli_streams_the_answer(server, smollm2_llm):
 # -- limits, security, shutdown (tiny engine: only the plumbing matters) ---------------------
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    if shutil.which("openssl") is None:
+    try:
+        return self_signed_cert(str(tmp_path_factory.mktemp("tls")))
+    except FileNotFoundError:
         pytest.skip("openssl is needed to make a self-signed certificate")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(d / "key.pem"),
-                    "-out", str(d / "cert.pem")], check=True, capture_output=True)
-    return str(d / "cert.pem"), str(d / "key.pem")
 
 
 @pytest.fixture(scope="module")

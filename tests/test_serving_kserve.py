@@ -221,12 +221,16 @@ def test_stream_cancel_frees_blocks(server, triton):
     from trtllm_lite.serving.process import wait_until
 
     s = Stream(triton)
-    triton.async_stream_infer("ensemble", tensors(max_tokens=400, stream=flag(True)), request_id="long")
-    result, error = s.q.get(timeout=60)
-    assert error is None
-    with LLMClient(server.grpc, timeout=30) as c:
-        assert c.model_info().kv_blocks_used > 0
+    long = tensors(max_tokens=400, stream=flag(True), min_tokens=np.array([[400]], np.int32))   # no early EOS
+    triton.async_stream_infer("ensemble", long, request_id="long")
+    try:
+        result, error = s.q.get(timeout=60)
+        assert error is None
+        with LLMClient(server.grpc, timeout=30) as c:
+            assert c.model_info().kv_blocks_used > 0
+    finally:
         triton.stop_stream(cancel_requests=True)
+    with LLMClient(server.grpc, timeout=30) as c:
         assert wait_until(lambda: c.model_info().kv_blocks_used == 0 and c.model_info().num_running == 0)
     assert triton.infer("ensemble", tensors(max_tokens=2)).as_numpy("text_output") is not None
 

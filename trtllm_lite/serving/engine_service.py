@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any, AsyncIterator, Mapping
 
 from ..async_llm import (AsyncLLM, EngineDeadError, EngineStepError, QueueFullError,
                          RequestTimeoutError, ShuttingDownError)
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import Metrics
 from .params import make_sampling_params
@@ -211,12 +212,16 @@ class EngineService:
         }
 
 
-def completion_logprobs(o: CompletionOutput | SequenceResult, token_ids: list[int]) -> list[tuple]:
-    """Per token: ``(token_id, logprob, [(top token, logprob), ...] by rank)``."""
+def position_logprobs(token_ids: list[int], entries) -> list[tuple[int, float, list]]:
+    """Per position of ``token_ids``: ``(token, its logprob, [(token, Logprob), ...] by
+    rank)``, from the engine's ``{token_id: Logprob}`` dicts (``entries``; a None entry, as
+    for the first prompt token, gives NaN and no alternatives)."""
     out = []
-    for token, entry in zip(token_ids, o.logprobs or []):
-        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 1 << 30, -kv[1].logprob))
+    for token, entry in zip(token_ids, entries or []):
+        if entry is None:
+            out.append((token, math.nan, []))
+            continue
         chosen = entry.get(token)
-        out.append((token, chosen.logprob if chosen else float("nan"),
-                    [(t, lp.logprob) for t, lp in ranked]))
+        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 1 << 30, -kv[1].logprob))
+        out.append((token, chosen.logprob if chosen else math.nan, ranked))
     return out

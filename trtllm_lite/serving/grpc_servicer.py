@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-import math
 import uuid
 
 import grpc
 
-from .engine_service import Accumulator, EngineService, ErrorKind, classify, completion_logprobs
+from .engine_service import Accumulator, EngineService, ErrorKind, classify, position_logprobs
 from .params import SAMPLING_FIELDS
 from .protos import llm_service_pb2 as pb
 from .protos import llm_service_pb2_grpc as pb_grpc
@@ -52,9 +51,9 @@ def sampling_message(**values) -> pb.SamplingParams:
     return msg
 
 
-def _logprobs_pb(entries) -> list[pb.TokenLogprobs]:
-    return [pb.TokenLogprobs(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=k, logprob=v) for k, v in top])
-            for t, lp, top in entries]
+def _logprobs_pb(token_ids, entries) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=k, logprob=v.logprob) for k, v in top])
+            for t, lp, top in position_logprobs(token_ids, entries)]
 
 
 def _completion_pb(o, with_logprobs: bool) -> pb.CompletionOutput:
@@ -65,21 +64,8 @@ def _completion_pb(o, with_logprobs: bool) -> pb.CompletionOutput:
     elif o.stop_reason is not None:
         msg.stop_token_id = int(o.stop_reason)
     if with_logprobs and o.logprobs:
-        msg.logprobs.extend(_logprobs_pb(completion_logprobs(o, o.token_ids)))
+        msg.logprobs.extend(_logprobs_pb(o.token_ids, o.logprobs))
     return msg
-
-
-def _prompt_logprobs_pb(out, prompt_ids: list[int]) -> list[pb.TokenLogprobs]:
-    entries = []
-    for token, entry in zip(prompt_ids, out.prompt_logprobs or []):
-        if entry is None:  # the first prompt token has no distribution
-            entries.append(pb.TokenLogprobs(token_id=token, logprob=math.nan))
-            continue
-        chosen = entry.get(token)
-        ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 1 << 30, -kv[1].logprob))
-        entries.append(pb.TokenLogprobs(token_id=token, logprob=chosen.logprob if chosen else math.nan,
-                                        top=[pb.TopLogprob(token_id=t, logprob=lp.logprob) for t, lp in ranked]))
-    return entries
 
 
 def _final_fields(resp: pb.GenerateResponse, acc: Accumulator) -> None:
@@ -140,7 +126,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         if first:
             resp.prompt_token_ids.extend(out.prompt_token_ids)
             if out.prompt_logprobs:
-                resp.prompt_logprobs.extend(_prompt_logprobs_pb(out, out.prompt_token_ids))
+                resp.prompt_logprobs.extend(_logprobs_pb(out.prompt_token_ids, out.prompt_logprobs))
         if out.finished:
             _final_fields(resp, acc)
         return resp

@@ -28,7 +28,7 @@ from tritonclient.grpc import service_pb2_grpc as kpb_grpc
 
 from .. import __version__
 from .. import ensemble_tensors as et
-from .engine_service import Accumulator, EngineService, classify
+from .engine_service import Accumulator, EngineService, classify, position_logprobs
 
 #: Model names a request may use: ours (the served name) and TensorRT-LLM's.
 TRTLLM_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls")
@@ -199,7 +199,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         except Exception as e:  # noqa: BLE001 - every request error becomes a status
             await context.abort(grpc.StatusCode[classify(e).name], str(e) or type(e).__name__)
         results = acc.results()
-        logprobs = [lp for lp in _token_logprobs(results[0])] if ereq.return_log_probs else None
+        logprobs = _token_logprobs(results[0]) if ereq.return_log_probs else None
         return infer_response(request, self._outputs(ereq, acc, [s.text for s in results], logprobs))
 
     async def _stream_one(self, request):
@@ -273,8 +273,4 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
 
 def _token_logprobs(o) -> list[float]:
-    out = []
-    for token, entry in zip(o.token_ids, o.logprobs or []):
-        chosen = entry.get(token)
-        out.append(chosen.logprob if chosen else float("nan"))
-    return out
+    return [lp for _, lp, _ in position_logprobs(o.token_ids, o.logprobs)]

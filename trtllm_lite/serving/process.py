@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,3 +121,20 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
         if value or time.monotonic() > end:
             return value
         time.sleep(interval)
+
+
+def self_signed_cert(directory: str) -> tuple[str, str]:
+    """Write a throwaway self-signed certificate for 127.0.0.1 / localhost (1 day, RSA 2048)
+    with the ``openssl`` command; return ``(cert.pem, key.pem)`` paths. For tests and local
+    trials of ``--tls-cert/--tls-key``, never for production.
+
+    Raises:
+        FileNotFoundError: ``openssl`` is not on PATH.
+    """
+    if shutil.which("openssl") is None:
+        raise FileNotFoundError("openssl is not on PATH")
+    cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True)
+    return cert, key
