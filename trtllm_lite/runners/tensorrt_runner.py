@@ -148,6 +148,11 @@ class _Cuda:
         self.check(self.rt.cudaMemcpyAsync(dst, array.ctypes.data, array.nbytes,
                                            self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
 
+    def free(self, ptr: int) -> None:
+        if ptr in self._buffers:
+            self._buffers.remove(ptr)
+            self.check(self.rt.cudaFree(ptr))
+
     def dtoh(self, array: np.ndarray, src: int) -> None:
         self.check(self.rt.cudaMemcpyAsync(array.ctypes.data, src, array.nbytes,
                                            self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
@@ -227,21 +232,29 @@ class TensorRTRunner:
                 self.addresses[name] = cuda.malloc(self.num_layers * self.max_tokens * self.row_bytes)
         # one activation buffer for both contexts, sized per step (grown on demand)
         strategy = trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        names = [self.engine.get_tensor_name(t) for t in range(self.engine.num_io_tensors)]
+        self.engine_inputs = {n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
         self.contexts = {}
         for name, index in self.profile_index.items():
             context = self.engine.create_execution_context(strategy)
             context.set_optimization_profile_async(index, cuda.stream)
-            for t in range(self.engine.num_io_tensors):
-                tensor = self.engine.get_tensor_name(t)
+            for tensor in names:
                 if tensor in self.addresses:
                     context.set_tensor_address(tensor, self.addresses[tensor])
             self.contexts[name] = context
         self._scratch, self._scratch_bytes = 0, 0
         cuda.synchronize()
 
-    def _activation_memory(self, context) -> None:
-        need = int(context.update_device_memory_size_for_shapes())
+    def _activation_memory(self, profile: str) -> None:
+        """Size the shared activation buffer for this step (per-shape where TensorRT can say,
+        else the profile's maximum) and hand it to the context."""
+        context = self.contexts[profile]
+        if hasattr(context, "update_device_memory_size_for_shapes"):
+            need = int(context.update_device_memory_size_for_shapes())
+        else:
+            need = int(self.engine.get_device_memory_size_for_profile_v2(self.profile_index[profile]))
         if need > self._scratch_bytes:
+            self.cuda.free(self._scratch)   # the previous step has finished (synchronized)
             self._scratch, self._scratch_bytes = self.cuda.malloc(need), need
         context.set_device_memory(self._scratch, self._scratch_bytes)
 
@@ -258,14 +271,13 @@ class TensorRTRunner:
         if num_logits == 0:               # the profiles start at one row: compute one, drop it
             values["logits_indices"] = np.zeros(1, np.int64)
         for name, array in values.items():
-            if name in self.profiles[profile]:
+            if name in self.engine_inputs:
                 cuda.htod(self.addresses[name], array)
                 context.set_input_shape(name, array.shape)
-        pool_shape = self.kv_shape[1:]
         for i in range(self.num_layers):
-            context.set_input_shape(f"key_cache.{i}", pool_shape)
-            context.set_input_shape(f"value_cache.{i}", pool_shape)
-        self._activation_memory(context)
+            context.set_input_shape(f"key_cache.{i}", self.kv_shape[1:])
+            context.set_input_shape(f"value_cache.{i}", self.kv_shape[1:])
+        self._activation_memory(profile)
         if not context.execute_async_v3(cuda.stream):
             raise RuntimeError(f"TensorRT failed to run the {profile} step")
         if self.kv_write == "runtime":
