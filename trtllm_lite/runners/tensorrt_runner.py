@@ -126,8 +126,8 @@ class _Cuda:
         self.rt = rt
         err, count = rt.cudaGetDeviceCount()
         if err != rt.cudaError_t.cudaSuccess or count == 0:
-            raise CudaUnavailable(f"the TensorRT runner needs a CUDA GPU: cudaGetDeviceCount "
-                                  f"returned {err.name if hasattr(err, 'name') else err}, {count} devices")
+            why = f"cudaGetDeviceCount returned {err.name}" if count is None or err else "no CUDA device"
+            raise CudaUnavailable(f"the TensorRT runner needs a CUDA GPU: {why}")
         self.stream = self.check(rt.cudaStreamCreate())
         self._buffers: list[int] = []
 
