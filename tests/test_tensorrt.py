@@ -9,7 +9,8 @@ What runs on these CPU machines:
   * the Python TensorRT plugin's launch path (argument derivation, in-place pool write through
     the aliased outputs) on the CPU emulation of the CUDA kernels, against the numpy reference;
   * the runner and plugin import without TensorRT and fail with the missing package's name.
-What needs a GPU and full TensorRT (not installable here) skips: running an engine.
+What needs a GPU skips with the reason: running an engine (the TensorRT-RTX one against ONNX
+Runtime's greedy tokens); full TensorRT cannot be installed here at all.
 """
 from __future__ import annotations
 
@@ -318,6 +319,37 @@ def test_runner_imports_and_explains_what_is_missing(rtx_engine):
     no_plan = dataclasses.replace(engine, manifest={**engine.manifest, "tensorrt": None})
     with pytest.raises(ValueError, match="no TensorRT plan"):
         trt_runner.TensorRTRunner(no_plan, 64)
+
+
+def gpu_skip_reason(rtx: bool) -> str | None:
+    """Why a TensorRT engine cannot run here, or None."""
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        return "cuda-python is not installed"
+    err, count = rt.cudaGetDeviceCount()
+    if err != rt.cudaError_t.cudaSuccess or not count:
+        return f"no CUDA GPU ({err.name})"
+    err, props = rt.cudaGetDeviceProperties(0)
+    if rtx and (props.major, props.minor) == (9, 0):
+        return "TensorRT-RTX engines do not run on Hopper (sm_90)"
+    return None
+
+
+@pytest.mark.gpu
+def test_rtx_engine_generates_what_onnx_runtime_generates(rtx_engine, tiny_hf, tmp_path):
+    reason = gpu_skip_reason(rtx=True)
+    if reason:
+        pytest.skip(reason)
+    from trtllm_lite import LLM, SamplingParams
+
+    ort_engine = build_engine(tiny_hf, str(tmp_path / "ort"), BuildConfig(**LIMITS))
+    prompts = [[1, 5, 9], list(range(3, 40)), [7] * 60]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(ort_engine, num_kv_blocks=64).generate(prompts, params)]
+    llm = LLM(rtx_engine, num_kv_blocks=64)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
 
 
 def test_scatter_runs_cover_every_token_once():
