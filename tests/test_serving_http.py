@@ -1,0 +1,284 @@
+"""The OpenAI-compatible HTTP front end, driven by the official ``openai`` package (and
+httpx for raw status codes), against real server processes on 127.0.0.1 serving SmolLM2
+over gRPC and HTTP from one engine. References: ``LLM.generate`` / ``LLM.chat`` here."""
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import threading
+import time
+
+import httpx
+import pytest
+
+from trtllm_lite import SamplingParams
+from trtllm_lite.serving.client import LLMClient
+from trtllm_lite.serving.process import ServerProcess, self_signed_cert, wait_until
+
+from .test_serving_grpc import idle_blocks
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.timeout(300)
+
+ENGINE_ARGS = ("--num-threads", "2", "--no-verify-checksums", "--num-kv-blocks", "512", "--http-port", "0")
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_engine):
+    with ServerProcess(smollm2_engine, *ENGINE_ARGS) as s:
+        yield s
+        assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with openai.OpenAI(base_url=f"http://{server.http}/v1", api_key="none", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    with LLMClient(server.grpc, timeout=120) as c:
+        yield c
+
+
+def test_completions_stream_equals_whole_equals_llm(oai, smollm2_llm):
+    ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0))[0]
+    whole = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert whole.choices[0].text == text == ref.outputs[0].text
+    assert whole.choices[0].finish_reason == [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].choices == []                      # the usage chunk
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+
+
+def test_chat_stream_equals_whole_equals_llm(oai, smollm2_llm):
+    ref = smollm2_llm.chat(MESSAGES, SamplingParams(max_tokens=20, temperature=0.0))[0].outputs[0]
+    whole = oai.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=20, temperature=0)
+    chunks = list(oai.chat.completions.create(model="smollm2", messages=MESSAGES, max_completion_tokens=20,
+                                              temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert whole.choices[0].message.content == text == ref.text
+    assert "Paris" in text and chunks[0].choices[0].delta.role == "assistant"
+    assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == ref.finish_reason == "stop"
+    assert whole.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_n2_with_seed_is_reproducible(oai):
+    kw = dict(model="smollm2", prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=1234, n=2)
+    a, b = oai.completions.create(**kw), oai.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 20
+
+
+def test_stop_string_logprobs_and_max_tokens_1(oai, smollm2_llm):
+    ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0].text
+    stop = ref.split()[1]
+    cut = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == ref[:ref.index(stop)] and cut.choices[0].finish_reason == "stop"
+    lp = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    assert "".join(logprobs.tokens) == lp.choices[0].text
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert chosen <= 0 and max(top.values()) == pytest.approx(chosen)   # greedy: the top token
+    chat = oai.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=3, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    one = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=1, temperature=0)
+    assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+
+
+def test_16_concurrent_streams(server, smollm2_llm):
+    prompts = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
+    refs = {p: smollm2_llm.generate(p, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text
+            for p in prompts}
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"http://{server.http}/v1", api_key="none", max_retries=0) as c:
+            async def one(p):
+                stream = await c.completions.create(model="smollm2", prompt=p, max_tokens=8, temperature=0,
+                                                    stream=True)
+                return p, "".join([ch.choices[0].text async for ch in stream if ch.choices])
+            return await asyncio.gather(*[one(p) for p in prompts * 4])
+
+    for prompt, text in asyncio.run(run()):
+        assert text == refs[prompt], prompt
+
+
+def test_client_closing_stream_frees_blocks(server, grpc_client):
+    body = {"model": "smollm2", "prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", f"http://{server.http}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert grpc_client.model_info().kv_blocks_used > 0
+    assert wait_until(lambda: idle_blocks(grpc_client), timeout=15)
+
+
+def test_client_leaving_a_non_streamed_request_frees_blocks(server, grpc_client):
+    body = {"model": "smollm2", "prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"http://{server.http}/v1/completions", json=body, timeout=1.5)
+    assert wait_until(lambda: idle_blocks(grpc_client), timeout=15)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "Hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1] * 1500}, 400, None),                               # longer than max_seq_len
+    ({"prompt": "Hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": "Hi", "model": "gpt-4"}, 404, None),
+    ({}, 400, "prompt"),
+])
+def test_error_statuses(server, oai, body, status, param):
+    r = httpx.post(f"http://{server.http}/v1/completions", json={"model": "smollm2", **body}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["code"] == status
+    if param:
+        assert err["param"] == param or param in err["message"]
+    if "prompt" in body and body["prompt"] == [1] * 1500:
+        assert "1024" in err["message"]
+    assert oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_bad_json_is_400(server):
+    r = httpx.post(f"http://{server.http}/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_models_health_metrics_tokenizer(server, smollm2_llm):
+    base = f"http://{server.http}"
+    models = httpx.get(f"{base}/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == "smollm2" and models["data"][0]["max_model_len"] == 1024
+    assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+    metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    assert "trtllm_lite_time_to_first_token_seconds_count" in metrics
+    tok = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world"}, timeout=30).json()
+    assert tok["tokens"] == smollm2_llm.tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
+    chat_tok = httpx.post(f"{base}/tokenize", json={"messages": MESSAGES}, timeout=30).json()
+    text = smollm2_llm.tokenizer.apply_chat_template(MESSAGES, True)
+    assert chat_tok["tokens"] == smollm2_llm.tokenizer.encode(text, add_special_tokens=False)
+    detok = httpx.post(f"{base}/detokenize", json={"tokens": tok["tokens"]}, timeout=30).json()
+    assert detok["prompt"] == "Hello world"
+
+
+def test_grpc_and_http_share_one_engine(server, grpc_client, smollm2_llm):
+    ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0]
+    got = {}
+
+    def over_http():
+        r = httpx.post(f"http://{server.http}/v1/completions", timeout=120,
+                       json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 10, "temperature": 0})
+        got["http"] = r.json()["choices"][0]["text"]
+
+    def over_grpc():
+        got["grpc"] = grpc_client.complete(PROMPT, max_tokens=10, temperature=0.0).outputs[0].text
+
+    running = []
+    threads = [threading.Thread(target=over_http), threading.Thread(target=over_grpc)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        running.append(grpc_client.model_info().num_running)
+        time.sleep(0.02)
+    assert got == {"http": ref.text, "grpc": ref.text}
+    assert max(running) == 2                    # both requests in one engine's batch
+
+
+# -- API key, TLS, queue full, shutdown ----------------------------------------------------
+@pytest.fixture(scope="module")
+def tls_cert(tmp_path_factory):
+    try:
+        return self_signed_cert(str(tmp_path_factory.mktemp("tls")))
+    except FileNotFoundError:
+        pytest.skip("openssl is needed to make a self-signed certificate")
+
+
+@pytest.fixture(scope="module")
+def secure(smollm2_engine, tls_cert):
+    cert, key = tls_cert
+    s = ServerProcess(smollm2_engine, *ENGINE_ARGS, "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                      "--tls-cert", cert, "--tls-key", key, "--shutdown-grace", "20",
+                      env={"TRTLLM_LITE_API_KEY": "k3y"})
+    yield s, cert
+    s.kill()
+
+
+def test_api_key_over_tls(secure):
+    server, cert = secure
+    url = f"https://{server.http}/v1/completions"
+    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2}
+    with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=60) as h:
+        r = h.post(url, json=body)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert h.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert h.get(f"https://{server.http}/health").status_code == 200        # stays open
+        ok = h.post(url, json=body, headers={"Authorization": "Bearer k3y"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    with openai.OpenAI(base_url=f"https://{server.http}/v1", api_key="k3y", max_retries=0,
+                       http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert))) as c:
+        assert c.models.list().data[0].id == "smollm2"
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(f"http://{server.http}/v1/completions", json=body, timeout=10)   # plaintext to a TLS port
+
+
+def test_queue_full_is_429(secure):
+    server, cert = secure
+    url = f"https://{server.http}/v1/completions"
+    long = {"model": "smollm2", "prompt": "Write an essay.", "max_tokens": 30, "ignore_eos": True}
+
+    async def burst():
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=cert), timeout=120, headers={"Authorization": "Bearer k3y"}) as h:
+            return await asyncio.gather(*[h.post(url, json=long) for _ in range(4)])
+
+    statuses = sorted(r.status_code for r in asyncio.run(burst()))
+    assert statuses[0] == 200 and statuses[-1] == 429 and set(statuses) == {200, 429}
+    with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=60, headers={"Authorization": "Bearer k3y"}) as h:
+        r = h.post(url, json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def test_shutdown_finishes_in_flight_and_refuses_new_with_503(secure):
+    server, cert = secure
+    url = f"https://{server.http}/v1/completions"
+    headers = {"Authorization": "Bearer k3y"}
+    done = {}
+
+    def in_flight():
+        with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=120, headers=headers) as h:
+            with h.stream("POST", url, json={"model": "smollm2", "prompt": "Count.", "max_tokens": 24,
+                                             "ignore_eos": True, "stream": True}) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        done["finish"] = chunks[-1]["choices"][0]["finish_reason"]
+        done["last"] = events[-1]
+
+    t = threading.Thread(target=in_flight)
+    with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=30, headers=headers) as h:
+        t.start()
+        assert wait_until(lambda: h.get(f"https://{server.http}/metrics").text.find(
+            "trtllm_lite_num_requests_running 1.0") >= 0, timeout=60)
+        server.signal()
+        time.sleep(0.5)
+        refused = h.post(url, json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+        health = h.get(f"https://{server.http}/health")
+    t.join(120)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+    assert health.status_code == 503
+    assert done == {"finish": "length", "last": "data: [DONE]"}
+    assert server.wait(60) == 0

@@ -1,0 +1,412 @@
+"""OpenAI-compatible HTTP front end (FastAPI on uvicorn), beside the gRPC server in the same
+process and event loop, on the same :class:`EngineService` (one engine for both).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` as
+server-sent events in OpenAI's chunk format, ending ``data: [DONE]``;
+``stream_options.include_usage``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``,
+``POST /tokenize``, ``POST /detokenize``. Errors are OpenAI error objects: 400 bad parameter
+or prompt too long, 401 without the API key (``Authorization: Bearer KEY``, on ``/v1/*``
+and the tokenizer routes), 404 unknown model, 429 waiting queue full, 503 shutting down,
+504 past ``--request-timeout``. A client that disconnects aborts its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import socket
+import time
+import uuid
+from contextlib import nullcontext
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import openai_protocol as oa
+from .engine_service import Accumulator, EngineService, classify, position_logprobs
+
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+
+class NotFound(LookupError):
+    pass
+
+
+def error_response(e: BaseException) -> JSONResponse:
+    """The OpenAI error object and HTTP status of an exception raised serving a request."""
+    status = 404 if isinstance(e, NotFound) else classify(e).http
+    message = str(e) or type(e).__name__
+    first = message.split(" ", 1)[0].rstrip(":,")
+    param = first if first.isidentifier() and first.islower() else None
+    return JSONResponse(oa.error_body(status, message, param), status_code=status)
+
+
+class Guard:
+    """ASGI middleware: API key on protected routes; 503 while shutting down."""
+
+    def __init__(self, app, service: EngineService, api_key: str | None):
+        self.app, self.service, self.api_key = app, service, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        denied = None
+        if self.api_key and path.startswith(_PROTECTED):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not (auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), self.api_key.encode())):
+                denied = JSONResponse(oa.error_body(401, "missing or wrong API key (Authorization: Bearer KEY)"), 401)
+        if denied is None and path != "/metrics" and not self.service.llm.accepting:
+            denied = JSONResponse(oa.error_body(503, "the server is shutting down"), 503)
+        if denied is not None:
+            return await denied(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def until_disconnected(request: Request, coro):
+    """Await ``coro``; cancel it (aborting its requests) if the client disconnects first."""
+    work = asyncio.ensure_future(coro)
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    return work.result()
+
+
+async def merged(gens: list):
+    """Items of several async generators as they come: ``(generator index, item)``."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i, gen):
+        try:
+            async for item in gen:
+                await queue.put((i, item))
+        except BaseException as e:  # noqa: BLE001 - hand the error to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sse(obj) -> str:
+    import json
+
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServer:
+    """The routes, over one :class:`EngineService`."""
+
+    def __init__(self, service: EngineService, api_key: str | None = None):
+        self.service = service
+        app = FastAPI(title="trtllm-lite", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(RequestValidationError, self._invalid)
+        app.add_middleware(Guard, service=service, api_key=api_key)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        self.app = app
+
+    @staticmethod
+    async def _invalid(request, exc: RequestValidationError):
+        err = (exc.errors() or [{}])[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}"
+        return JSONResponse(oa.error_body(400, message, loc[-1] if loc else None), status_code=400)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.service.model_name:
+            raise NotFound(f"model {model!r} does not exist; this server serves {self.service.model_name!r}")
+
+    # -- simple routes --------------------------------------------------------------------
+    async def health(self):
+        return Response(status_code=200 if self.service.llm.accepting and not self.service.llm.dead else 503)
+
+    async def metrics(self):
+        return Response(self.service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self):
+        return {"object": "list", "data": [{
+            "id": self.service.model_name, "object": "model", "created": int(time.time()), "owned_by": "trtllm-lite",
+            "max_model_len": self.service.llm.engine.scheduler_config.max_seq_len}]}
+
+    async def tokenize(self, body: oa.TokenizeRequest):
+        try:
+            self._check_model(body.model)
+            if body.messages is not None:
+                ids = self.service.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages],
+                                               body.add_generation_prompt)
+            elif body.prompt is not None:
+                ids = self.service.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:
+                raise ValueError("prompt or messages is required")
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.service.llm.engine.scheduler_config.max_seq_len}
+
+    async def detokenize(self, body: oa.DetokenizeRequest):
+        try:
+            self._check_model(body.model)
+            vocab = self.service.llm.engine.model_config["vocab_size"]
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"tokens: {bad[0]} is outside the vocabulary [0, {vocab})")
+            return {"prompt": self.service.tokenizer.decode(body.tokens)}
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+
+    # -- generation -----------------------------------------------------------------------
+    async def _start(self, prompts: list, params, rid: str):
+        """Start one request per prompt and wait for each one's first delta, so that bad
+        input, a full queue or a shutdown is an HTTP error before any byte is streamed."""
+        gens = [self.service.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+        tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        try:
+            firsts = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for g in gens:
+                await g.aclose()
+            raise
+        return gens, firsts
+
+    async def _run(self, request: Request, body, prompts: list, params, kind: str, prompt_texts: list):
+        rid = ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        fmt = ResponseFormat(self.service, body, kind, rid, created, params.n, prompt_texts)
+        if body.stream:
+            gens, firsts = await self._start(prompts, params, rid)
+            return StreamingResponse(fmt.stream(gens, firsts), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+
+        async def run_all():
+            return await asyncio.gather(*[self.service.generate_all(p, params, f"{rid}-{i}")
+                                          for i, p in enumerate(prompts)])
+
+        return fmt.whole(await until_disconnected(request, run_all()))
+
+    async def completions(self, body: oa.CompletionRequest, request: Request):
+        try:
+            self._check_model(body.model)
+            prompts = body.prompts()
+            params = self.service.sampling_params(body.sampling_values())
+            texts = [p if isinstance(p, str) else self.service.tokenizer.decode(p) for p in prompts] \
+                if body.echo else None
+            return await self._run(request, body, prompts, params, "text", texts)
+        except Exception as e:  # noqa: BLE001 - every request error becomes an HTTP status
+            return error_response(e)
+
+    async def chat(self, body: oa.ChatCompletionRequest, request: Request):
+        try:
+            self._check_model(body.model)
+            ids = self.service.chat_prompt(body.message_dicts(), body.add_generation_prompt)
+            room = self.service.llm.engine.scheduler_config.max_seq_len - len(ids)
+            params = self.service.sampling_params(body.sampling_values(room))
+            return await self._run(request, body, [ids], params, "chat", None)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+
+
+class ResponseFormat:
+    """OpenAI response and chunk objects for one request (``kind``: "text" or "chat")."""
+
+    def __init__(self, service, body, kind, rid, created, n, prompt_texts):
+        self.service, self.body, self.kind, self.rid, self.created, self.n = service, body, kind, rid, created, n
+        self.prompt_texts = prompt_texts
+        self.object = "text_completion" if kind == "text" else "chat.completion"
+
+    def _base(self, chunk: bool) -> dict:
+        obj = self.object + (".chunk" if chunk and self.kind == "chat" else "")
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.service.model_name}
+
+    @staticmethod
+    def usage(accs: list[Accumulator]) -> dict:
+        p, c = sum(a.num_prompt_tokens for a in accs), sum(a.num_completion_tokens for a in accs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": sum(a.num_cached_tokens for a in accs)}}
+
+    def _logprobs(self, o):
+        if getattr(o, "logprobs", None) is None:
+            return None
+        tok = self.service.llm.tokenizer
+
+        def text(t, lp):
+            if lp is not None and lp.decoded_token is not None:
+                return lp.decoded_token
+            return tok.decode([t], skip_special_tokens=False) if tok else str(t)
+
+        positions = position_logprobs(o.token_ids, o.logprobs)
+        if self.kind == "chat":
+            content = []
+            for t, lp, top in positions:
+                s = text(t, dict(top).get(t))
+                alts = [{"token": text(k, v), "logprob": v.logprob, "bytes": list(text(k, v).encode())}
+                        for k, v in top][:self.body.top_logprobs or 0]
+                content.append({"token": s, "logprob": _num(lp), "bytes": list(s.encode()), "top_logprobs": alts})
+            return {"content": content}
+        tokens, lps, tops, offsets, offset = [], [], [], [], 0
+        for t, lp, top in positions:
+            s = text(t, dict(top).get(t))
+            offsets.append(offset)
+            offset += len(s)
+            tokens.append(s)
+            lps.append(_num(lp))
+            tops.append({text(k, v): v.logprob for k, v in top})
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _choice(self, index: int, text: str, o, chunk: bool, first: bool = False) -> dict:
+        finish = o.finish_reason
+        choice = {"index": index}
+        if self.kind == "text":
+            choice["text"] = text
+        elif chunk:
+            choice["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) \
+                if text or first else {}
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        choice.update(logprobs=self._logprobs(o), finish_reason=finish,
+                      stop_reason=o.stop_reason if finish == "stop" else None)
+        return choice
+
+    def whole(self, accs: list[Accumulator]) -> dict:
+        choices = []
+        for i, acc in enumerate(accs):
+            for s in acc.results():
+                text = (self.prompt_texts[i] + s.text) if self.prompt_texts else s.text
+                choices.append(self._choice(i * self.n + s.index, text, s, chunk=False))
+        return {**self._base(False), "choices": choices, "usage": self.usage(accs)}
+
+    async def stream(self, gens, firsts):
+        accs = [Accumulator() for _ in gens]
+        started: set[int] = set()
+        try:
+            for i, out in enumerate(firsts):
+                for chunk in self._chunks(i, out, accs[i], started):
+                    yield chunk
+            async with _closing_all(gens):
+                async for i, out in merged(gens):
+                    for chunk in self._chunks(i, out, accs[i], started):
+                        yield chunk
+            if self.body.include_usage:
+                yield _sse({**self._base(True), "choices": [], "usage": self.usage(accs)})
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in the stream
+            yield _sse(oa.error_body(classify(e).http, str(e) or type(e).__name__))
+        yield "data: [DONE]\n\n"
+
+    def _chunks(self, i: int, out, acc: Accumulator, started: set[int]):
+        acc.add(out)
+        for o in out.outputs:
+            index = i * self.n + o.index
+            first = index not in started
+            text = o.text
+            if first and self.prompt_texts:
+                text = self.prompt_texts[i] + text
+            if not text and not o.finish_reason and not (first and self.kind == "chat"):
+                continue
+            started.add(index)
+            yield _sse({**self._base(True), "choices": [self._choice(index, text, o, chunk=True, first=first)]})
+
+
+def _num(x):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+class _closing_all:
+    """Close every generator on exit (aborting unfinished requests at once)."""
+
+    def __init__(self, gens):
+        self.gens = gens
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        for g in self.gens:
+            try:
+                await g.aclose()
+            except RuntimeError:  # still running in a cancelled task: it closes itself
+                pass
+
+
+class HttpFrontEnd:
+    """The HTTP server's life: :meth:`start` binds and serves; :meth:`stop` drains."""
+
+    def __init__(self, service: EngineService, config):
+        import uvicorn
+
+        self.config = config
+        self.openai = OpenAIServer(service, config.api_key)
+        self.uvicorn_config = uvicorn.Config(
+            self.openai.app, log_level="warning", access_log=False, lifespan="off",
+            ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
+            timeout_graceful_shutdown=1)
+
+        class _Server(uvicorn.Server):
+            def capture_signals(self):  # the serving process owns SIGTERM / SIGINT
+                return nullcontext()
+
+        self.server = _Server(self.uvicorn_config)
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> str:
+        """Bind ``host:http_port`` (0: a free port), serve; return ``host:port``."""
+        c = self.config
+        family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((c.host, c.http_port))
+        sock.set_inheritable(True)
+        self.task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return f"{c.host}:{sock.getsockname()[1]}"
+
+    async def stop(self, grace: float) -> None:
+        """Keep listening, answering 503, while in-flight requests (of every front end)
+        finish, for at most ``grace`` seconds; then close (cancelling what is left)."""
+        await self.openai.service.llm.drain(grace)
+        self.server.should_exit = True
+        if self.task is not None:
+            try:
+                await asyncio.wait_for(self.task, grace + 5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+
+
+__all__ = ["HttpFrontEnd", "OpenAIServer"]

@@ -1,0 +1,175 @@
+"""OpenAI API request bodies (pydantic) and their mapping to trtllm-lite's request values,
+with vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, ...). Unknown fields are ignored, as vLLM and OpenAI's own
+servers tolerate the extras client libraries send; known ones are checked by
+``SamplingParams`` (a bad value is a 400 naming the field).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
+
+    def common_values(self) -> dict[str, Any]:
+        """Sampling values under vLLM names (None = not set)."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, stop=stop, seed=self.seed,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    logit_bias=bias, top_k=self.top_k, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+                    min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+                    include_stop_str_in_output=self.include_stop_str_in_output,
+                    skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list:
+        """The prompts of the batch: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty")
+        return list(p)
+
+    def sampling_values(self) -> dict[str, Any]:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return dict(self.common_values(), max_tokens=self.max_tokens, logprobs=self.logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"messages: content of type {part.type!r} is not supported (text only)")
+            parts.append(part.text or "")
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def sampling_values(self, room: int) -> dict[str, Any]:
+        """``room``: tokens left in ``max_seq_len`` after the prompt (the default max_tokens,
+        as vLLM does)."""
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return dict(self.common_values(), max_tokens=max_tokens if max_tokens is not None else max(room, 1),
+                    logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable",
+               504: "timeout_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param,
+                      "code": status}}
+
+
+FinishReason = Literal["stop", "length", "abort"]
