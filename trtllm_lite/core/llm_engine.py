@@ -67,7 +67,8 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(enable_chunked_prefill=enable_chunked_prefill,
                                                 max_waiting=max_waiting, **limits)
         self.block_size = build["block_size"]
-        bytes_per_block = 2 * model["num_layers"] * self.block_size * model["num_kv_heads"] * model["head_dim"] * 4
+        kv_itemsize = 2 if build.get("dtype") in ("float16", "bfloat16") else 4
+        bytes_per_block = 2 * model["num_layers"] * self.block_size * model["num_kv_heads"] * model["head_dim"] * kv_itemsize
         if num_kv_blocks is None:
             budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else DEFAULT_KV_CACHE_MEMORY_BYTES
             if budget < bytes_per_block:
