@@ -162,7 +162,9 @@ def main(argv=None) -> int:
         spec["hf_model"] = hf_dir
     log("measuring bounds")
     bounds = {"read_bandwidth": max(bench_bounds.read_bandwidth(args.threads), bench_bounds.gemv_bandwidth()),
-              "gemm_rate": bench_bounds.gemm_rate()}
+              "gemm_rate_numpy": bench_bounds.gemm_rate(),
+              "gemm_rate_ort": bench_bounds.ort_gemm_rate(num_threads=args.threads)}
+    bounds["gemm_rate"] = max(bounds["gemm_rate_numpy"], bounds["gemm_rate_ort"])
     results, manifests = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.json")

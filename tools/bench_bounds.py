@@ -58,6 +58,31 @@ def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n ** 3 / best
 
 
+def ort_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: int = 5) -> float:
+    """fp32 GEMM rate (FLOP/s) of ONNX Runtime's own kernel (MLAS, prepacked B) on
+    ``n x n x n``, best of ``repeats``: what the engine's GEMMs can reach."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Gemm", ["a", "w"], ["y"], transB=1)], "gemm",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [n, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, n])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = num_threads or os.cpu_count() or 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feed = {"a": w}
+    sess.run(None, feed)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sess.run(None, feed)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
 def decode_bytes_per_step(manifest: dict) -> int:
     """Bytes of weights one decode step reads, from an engine manifest's weight table.
 

@@ -100,9 +100,19 @@ class GenAIPeer:
     name = "onnxruntime-genai"
 
     def __init__(self, model_dir: str, num_threads: int = 2):
+        import json
+
         import onnxruntime_genai as og
 
         self.og = og
+        path = os.path.join(model_dir, "genai_config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        opts = cfg["model"]["decoder"].setdefault("session_options", {})
+        if opts.get("intra_op_num_threads") != num_threads:   # genai takes threads from its config
+            opts["intra_op_num_threads"] = num_threads
+            with open(path, "w") as f:
+                json.dump(cfg, f, indent=4)
         config = og.Config(model_dir)
         self.model = og.Model(config)
         self.num_threads = num_threads
