@@ -14,9 +14,9 @@ import pytest
 
 from trtllm_lite import SamplingParams
 from trtllm_lite.serving.client import LLMClient
-from trtllm_lite.serving.process import ServerProcess, self_signed_cert, wait_until
+from trtllm_lite.serving.process import ServerProcess, wait_until
 
-from .test_serving_grpc import idle_blocks
+from .test_serving_grpc import idle_blocks, tls_files  # noqa: F401 - tls_files is a fixture
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(300)
@@ -202,16 +202,8 @@ def test_grpc_and_http_share_one_engine(server, grpc_client, smollm2_llm):
 
 # -- API key, TLS, queue full, shutdown ----------------------------------------------------
 @pytest.fixture(scope="module")
-def tls_cert(tmp_path_factory):
-    try:
-        return self_signed_cert(str(tmp_path_factory.mktemp("tls")))
-    except FileNotFoundError:
-        pytest.skip("openssl is needed to make a self-signed certificate")
-
-
-@pytest.fixture(scope="module")
-def secure(smollm2_engine, tls_cert):
-    cert, key = tls_cert
+def secure(smollm2_engine, tls_files):
+    cert, key = tls_files
     s = ServerProcess(smollm2_engine, *ENGINE_ARGS, "--max-num-seqs", "1", "--max-waiting-requests", "1",
                       "--tls-cert", cert, "--tls-key", key, "--shutdown-grace", "20",
                       env={"TRTLLM_LITE_API_KEY": "k3y"})

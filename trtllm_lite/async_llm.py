@@ -291,9 +291,9 @@ class AsyncLLM:
                             return
                 except queue.Empty:
                     pass
+                self._stats = self._snapshot()
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self._stats = self._snapshot()
         except BaseException as e:  # noqa: BLE001 - fail every open stream, keep the error
             self._error = e
             for rid in list(self._streams):
@@ -305,7 +305,9 @@ class AsyncLLM:
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
             self.num_step_errors += 1
             self._abort_all(EngineStepError(f"internal error in an engine step: {e!r}"))
+            self._stats = self._snapshot()
             return
+        self._stats = self._snapshot()   # before the deltas: whoever saw a delta sees this step's stats
         for out in outputs:
             self._deliver(out.request_id, out)
 
