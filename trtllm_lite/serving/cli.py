@@ -24,6 +24,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks between prompts")
     g.add_argument("--seed", type=int, default=None, help="seed for unseeded sampled requests")
     g.add_argument("--no-verify-checksums", action="store_true", help="skip the sha256 check of engine files")
+    g.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -36,6 +50,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         opts["enable_prefix_caching"] = False
     if args.no_verify_checksums:
         opts["verify_checksums"] = False
+    if getattr(args, "speculative_config", None):
+        opts["speculative_config"] = args.speculative_config
     return opts
 
 

@@ -27,6 +27,22 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     60.0, 120.0, 240.0, 480.0)
 
 
+#: Stats exported when the engine reports them: (stats key, type, metric name, help).
+_OPTIONAL = (
+    ("blocks_cached", GaugeMetricFamily, "kv_cache_blocks_cached", "KV blocks findable in the prefix cache."),
+    ("kv_waste_fraction", GaugeMetricFamily, "kv_cache_waste_ratio",
+     "Allocated KV slots not holding a token, over allocated slots (running sequences)."),
+    ("prefix_query_tokens", CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_hit_tokens", CounterMetricFamily, "prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    ("spec_num_drafts", CounterMetricFamily, "spec_decode_num_drafts", "Speculative verifications run."),
+    ("spec_num_draft_tokens", CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    ("spec_num_accepted_tokens", CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    ("spec_acceptance_rate", GaugeMetricFamily, "spec_decode_acceptance_rate", "Accepted / proposed draft tokens."),
+    ("spec_mean_accepted_length", GaugeMetricFamily, "spec_decode_mean_accepted_length",
+     "Tokens emitted per verification (1 + accepted drafts)."),
+)
+
+
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine's stats snapshot at scrape time."""
 
@@ -53,6 +69,9 @@ class _EngineCollector(Collector):
         if "prefix_hit_rate" in s:
             yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens.",
                                     value=s["prefix_hit_rate"])
+        for key, kind, name, doc in _OPTIONAL:
+            if key in s:
+                yield kind(PREFIX + name, doc, value=s[key])
 
 
 class Metrics:
