@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from trtllm_lite import LLM, SamplingParams
+from trtllm_lite.engine_dir import load_engine_dir
 from trtllm_lite.runners.base import ScheduledSeq, StepBatch
+from trtllm_lite.runners.onnxruntime_runner import OnnxRuntimeRunner, OrtOptions
 
 KINDS = ["llama-gqa", "llama-mqa", "llama-mha", "mistral", "qwen2-bias", "gpt2"]
 
@@ -14,11 +16,15 @@ def hf_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0].numpy()
 
 
+@pytest.mark.parametrize("prepacking", [True, False], ids=["one-session", "decode-graph"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefill_and_decode_logits_match_hf(tiny_model, kind):
+def test_prefill_and_decode_logits_match_hf(tiny_model, kind, prepacking):
+    """Both runner modes: one prepacked session (decode steps through the prefill graph)
+    and two sessions sharing one weight copy (decode steps through the decode graph)."""
     hf, engine_dir = tiny_model(kind)
-    llm = LLM(engine_dir, num_kv_blocks=64, verify_checksums=False)
-    runner = llm.engine.runner
+    runner = OnnxRuntimeRunner(load_engine_dir(engine_dir, verify_checksums=False), 64,
+                               options=OrtOptions(enable_prepacking=prepacking))
+    assert ("decode" in runner.sessions) is not prepacking
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 7, 13)]
     tables = [[0, 1, 2, 3, 4, 5], [10, 9, 8, 7, 6, 11], [20, 31, 22, 23, 40, 41]]
