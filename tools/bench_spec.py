@@ -70,17 +70,20 @@ def main(argv=None) -> int:
             "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
             f"draft{args.draft_layers}": {"method": "draft_model", "draft_engine": draft, "num_speculative_tokens": 3}}
     results = {}
-    for name, spec in arms.items():
-        llm = LLM(engine, verify_checksums=False, speculative_config=spec)
-        for task, convs in (("grounded", GROUNDED), ("open_chat", OPEN)):
-            for batch in (1, 8):
-                tps, outs = run(llm, convs, batch, args.max_tokens)
-                stats = llm.engine.stats()
-                results[(name, task, batch)] = {"tokens_per_s": tps, "outs": outs,
-                                                "acceptance_rate": stats.get("spec_acceptance_rate"),
-                                                "mean_accepted_length": stats.get("spec_mean_accepted_length")}
-                llm.engine.spec_stats = {k: 0 for k in llm.engine.spec_stats}
-        del llm
+    llms = {name: LLM(engine, verify_checksums=False, speculative_config=spec) for name, spec in arms.items()}
+    for task, convs in (("grounded", GROUNDED), ("open_chat", OPEN)):
+        for batch in (1, 8):
+            for rep in range(2):               # arms interleaved, best of two: load drifts less
+                for name, llm in llms.items():
+                    llm.engine.spec_stats = {k: 0 for k in llm.engine.spec_stats}
+                    tps, outs = run(llm, convs, batch, args.max_tokens)
+                    stats = llm.engine.stats()
+                    best = results.get((name, task, batch))
+                    if best is None or tps > best["tokens_per_s"]:
+                        results[(name, task, batch)] = {
+                            "tokens_per_s": tps, "outs": outs,
+                            "acceptance_rate": stats.get("spec_acceptance_rate"),
+                            "mean_accepted_length": stats.get("spec_mean_accepted_length")}
     rows, table = [], ["| task | batch | plain tok/s | " + " | ".join(f"{a} tok/s (x, acceptance)" for a in list(arms)[1:]) + " |",
                        "|---|---:|---:|" + "---:|" * (len(arms) - 1)]
     for task in ("grounded", "open_chat"):

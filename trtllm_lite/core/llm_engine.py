@@ -321,6 +321,12 @@ class LLMEngine:
         st["num_draft_tokens"] += len(drafts)
         st["num_accepted_tokens"] += num_accepted
         seq.spec_acceptance = 0.5 * seq.spec_acceptance + 0.5 * num_accepted / len(drafts)
+        c = self.spec_config
+        if seq.spec_acceptance < c.min_acceptance_rate:     # back off, doubling the wait each time
+            seq.spec_backoff = min(max(2 * seq.spec_backoff, c.backoff_probe_interval), 64)
+            seq.spec_next_probe = self.num_steps + seq.spec_backoff
+        else:
+            seq.spec_backoff = 0
         if not seq.is_finished:
             keep = -(-seq.num_computed_tokens // self.block_size)
             if len(seq.block_table) > keep:
@@ -340,6 +346,15 @@ class LLMEngine:
         if prev.logprobs is not None:
             prev.logprobs += c.logprobs or []
 
+    def _draft_length(self, seq: Sequence) -> int:
+        """Draft tokens worth verifying for ``seq``: each draft costs a token of compute in
+        the verification pass, and with a per-token acceptance rate a the chance that draft j
+        is reached and accepted is a**j, so low-acceptance sequences propose fewer."""
+        k, a = self.spec_config.num_speculative_tokens, seq.spec_acceptance
+        if seq.spec_backoff or a < 0.4:
+            return 1
+        return k if a >= 0.6 else min(k, 2)
+
     def _propose(self) -> None:
         """Ask the proposer for draft tokens for running sequences that are decoding."""
         c = self.spec_config
@@ -349,12 +364,12 @@ class LLMEngine:
             if seq.num_tokens - seq.num_computed_tokens != 1 or seq.request.prompt_logprobs is not None \
                     and len(seq.request.prompt_logprobs) < seq.num_prompt_tokens:
                 continue
-            if seq.spec_acceptance < c.min_acceptance_rate and self.num_steps % c.backoff_probe_interval:
+            if seq.spec_backoff and self.num_steps < seq.spec_next_probe:
                 continue       # backed off: proposals were mostly rejected lately
             room = min(seq.params.max_tokens - seq.num_output_tokens,
                        self.scheduler_config.max_seq_len - seq.num_tokens) - 1
             seqs.append(seq)
-            limits.append(min(c.num_speculative_tokens, room))
+            limits.append(min(self._draft_length(seq), room))
         if seqs:
             for seq, drafts in zip(seqs, self.proposer.propose(seqs, limits)):
                 seq.spec_token_ids = list(drafts)

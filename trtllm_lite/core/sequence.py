@@ -53,6 +53,8 @@ class Sequence:
     request: "Request | None" = None  # the request this sequence belongs to
     spec_token_ids: list[int] = field(default_factory=list)   # draft tokens to verify this step
     spec_acceptance: float = 1.0     # recent acceptance rate of its proposals (EMA)
+    spec_backoff: int = 0            # steps between probes while backed off (0: not backed off)
+    spec_next_probe: int = 0         # engine step of the next probe while backed off
 
     def __post_init__(self) -> None:
         if not self.token_ids:
