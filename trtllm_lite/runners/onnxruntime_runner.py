@@ -24,7 +24,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..engine_dir import EngineDir
-from .base import StepBatch, StepInputs, build_step_inputs
+from .base import ScheduledSeq, StepBatch, StepInputs, build_step_inputs, group_by_query_length
 
 _INPUT_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
                  "query_start_loc")
@@ -241,14 +241,31 @@ class OnnxRuntimeRunner:
             self.value_cache[:, dst] = self.value_cache[:, src]
 
     def execute(self, batch: StepBatch) -> np.ndarray:
-        """Run one step; return logits ``[batch.num_logits, vocab]`` float32."""
-        # A step with any multi-token sequence (prompt chunk, draft verification) runs as ONE
-        # prefill-graph call that also carries the step's decodes: the weights are read once
-        # per step, not once per graph (measured: a 5-token verification costs 1.5x a decode
-        # step; decode + verify as two calls cost 2.5x). All-decode steps use the decode graph.
-        if batch.prefill or (self.single_session and batch.decode):
-            return self._run("prefill", build_step_inputs(batch.decode + batch.prefill, self.block_size))
-        if not batch.decode:
+        """Run one step; return logits ``[batch.num_logits, vocab]`` float32.
+
+        The step's sequences (decodes first, then prompt chunks / draft verifications) run
+        in as few graph calls as padding allows (:func:`group_by_query_length`): usually
+        one, so the weights are read once per step (measured: a 5-token verification costs
+        1.5x a decode step; decode + verify as two calls cost 2.5x). A call whose sequences
+        all compute one token uses the decode graph when its session exists.
+        """
+        seqs = batch.decode + batch.prefill
+        if not seqs:
             return np.zeros((0, self.vocab_size), np.float32)
-        logits = self._run("decode", build_step_inputs(batch.decode, self.block_size))
-        return logits[[s.num_logits > 0 for s in batch.decode]]
+        groups = group_by_query_length(seqs)
+        if len(groups) == 1:
+            return self._call(seqs)
+        rows = {}
+        for group in groups:
+            part = [seqs[i] for i in group]
+            ends = np.cumsum([s.num_logits for s in part])
+            for i, chunk in zip(group, np.split(self._call(part), ends[:-1])):
+                rows[i] = chunk
+        return np.concatenate([rows[i] for i in range(len(seqs))])
+
+    def _call(self, seqs: list[ScheduledSeq]) -> np.ndarray:
+        """One graph call for ``seqs``; logits rows in their order."""
+        inputs = build_step_inputs(seqs, self.block_size)
+        if "decode" not in self.sessions or any(s.num_new_tokens != 1 for s in seqs):
+            return self._run("prefill", inputs)
+        return self._run("decode", inputs)[[s.num_logits > 0 for s in seqs]]
