@@ -33,6 +33,36 @@ def _best(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def run_rates(prompts: list[list[int]], max_tokens: list[int], wall: float) -> dict:
+    """``{wall_s, output_tokens, output_tokens_per_s, total_tokens_per_s}`` of a finished run."""
+    out = sum(max_tokens)
+    return {"wall_s": wall, "output_tokens": out, "output_tokens_per_s": out / wall,
+            "total_tokens_per_s": (out + sum(map(len, prompts))) / wall}
+
+
+class Peer:
+    """What every peer shares; a subclass implements ``_run(prompt, max_tokens) -> ids``."""
+
+    def _run(self, prompt: list[int], max_tokens: int) -> list[int]:
+        raise NotImplementedError
+
+    def generate_ids(self, prompt: list[int], max_tokens: int) -> list[int]:
+        return self._run(prompt, max_tokens)
+
+    def latency(self, prompt: list[int], max_tokens: int, repeats: int = 3) -> dict[str, float]:
+        t1 = _best(lambda: self._run(prompt, 1), repeats)
+        tn = _best(lambda: self._run(prompt, max_tokens), repeats)
+        return decode_rate(t1, tn, max_tokens)
+
+
+    def sequential(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+        """One request at a time, in order (see :func:`run_rates`)."""
+        t = time.perf_counter()
+        for p, k in zip(prompts, max_tokens):
+            self._run(p, k)
+        return run_rates(prompts, max_tokens, time.perf_counter() - t)
+
+
 def load_hf_model(model_path: str, num_threads: int):
     """transformers' own loader: a GGUF file (dequantized to fp32) or an HF directory."""
     import torch
@@ -48,7 +78,7 @@ def load_hf_model(model_path: str, num_threads: int):
     return model.eval()
 
 
-class HFPeer:
+class HFPeer(Peer):
     """HF transformers ``generate``, greedy, fp32, ``num_threads`` intra-op threads."""
 
     name = "HF transformers"
@@ -73,28 +103,20 @@ class HFPeer:
                                        min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
                                        eos_token_id=None)[:, width:]
 
-    def generate_ids(self, prompt: list[int], max_tokens: int) -> list[int]:
+    def _run(self, prompt: list[int], max_tokens: int) -> list[int]:
         return self._generate([prompt], max_tokens)[0].tolist()
-
-    def latency(self, prompt: list[int], max_tokens: int, repeats: int = 3) -> dict[str, float]:
-        t1 = _best(lambda: self._generate([prompt], 1), repeats)
-        tn = _best(lambda: self._generate([prompt], max_tokens), repeats)
-        return decode_rate(t1, tn, max_tokens)
 
     def static_batches(self, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> dict:
         """Static batching: requests in arrival order, ``batch_size`` at a time, each batch
         padded to its longest prompt and run to its longest output. Only each request's own
-        ``max_tokens`` count as output. Returns ``{wall_s, output_tokens, output_tokens_per_s}``."""
+        ``max_tokens`` count as output (see :func:`run_rates`)."""
         t = time.perf_counter()
         for s in range(0, len(prompts), batch_size):
             self._generate(prompts[s:s + batch_size], max(max_tokens[s:s + batch_size]))
-        wall = time.perf_counter() - t
-        out = sum(max_tokens)
-        return {"wall_s": wall, "output_tokens": out, "output_tokens_per_s": out / wall,
-                "total_tokens_per_s": (out + sum(map(len, prompts))) / wall}
+        return run_rates(prompts, max_tokens, time.perf_counter() - t)
 
 
-class GenAIPeer:
+class GenAIPeer(Peer):
     """onnxruntime-genai on a model directory its builder wrote (``genai_config.json``)."""
 
     name = "onnxruntime-genai"
@@ -134,26 +156,9 @@ class GenAIPeer:
             out.append(int(gen.get_next_tokens()[0]))
         return out
 
-    def generate_ids(self, prompt: list[int], max_tokens: int) -> list[int]:
-        return self._run(prompt, max_tokens)
-
-    def latency(self, prompt: list[int], max_tokens: int, repeats: int = 3) -> dict[str, float]:
-        t1 = _best(lambda: self._run(prompt, 1), repeats)
-        tn = _best(lambda: self._run(prompt, max_tokens), repeats)
-        return decode_rate(t1, tn, max_tokens)
-
-    def sequential(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
-        """One request at a time, in order. Returns ``{wall_s, output_tokens, output_tokens_per_s}``."""
-        t = time.perf_counter()
-        for p, k in zip(prompts, max_tokens):
-            self._run(p, k)
-        wall = time.perf_counter() - t
-        out = sum(max_tokens)
-        return {"wall_s": wall, "output_tokens": out, "output_tokens_per_s": out / wall,
-                "total_tokens_per_s": (out + sum(map(len, prompts))) / wall}
 
 
-class LlamaCppPeer:
+class LlamaCppPeer(Peer):
     """llama.cpp through ``llama-cpp-python`` (only when that package is installed)."""
 
     name = "llama.cpp"
@@ -177,10 +182,3 @@ class LlamaCppPeer:
                 break
         return out
 
-    def generate_ids(self, prompt: list[int], max_tokens: int) -> list[int]:
-        return self._run(prompt, max_tokens)
-
-    def latency(self, prompt: list[int], max_tokens: int, repeats: int = 3) -> dict[str, float]:
-        t1 = _best(lambda: self._run(prompt, 1), repeats)
-        tn = _best(lambda: self._run(prompt, max_tokens), repeats)
-        return decode_rate(t1, tn, max_tokens)
