@@ -89,3 +89,34 @@ def test_streaming_deltas_join_to_final_text(smollm2_llm):
     finally:
         llm.shutdown()
     assert (text, ids) == (final.text, final.token_ids)
+
+
+def test_request_id_reused_right_after_cancel_is_refused_not_crossed(smollm2_llm):
+    """A cancelled request's id stays taken until the engine aborted it: a new request
+    under that id is refused instead of receiving the old request's final output."""
+    import asyncio
+
+    from trtllm_lite import AsyncLLM
+
+    llm = AsyncLLM(engine=smollm2_llm.engine)
+
+    async def go():
+        gen = llm.generate("Old request about cats", SamplingParams(max_tokens=50, ignore_eos=True), "rid")
+        await gen.__anext__()
+        await gen.aclose()
+        try:
+            async for out in llm.generate("The capital of France is", SamplingParams(max_tokens=4), "rid"):
+                assert out.prompt == "The capital of France is"
+                assert out.outputs[0].finish_reason != "abort"
+            return "served"
+        except ValueError as e:
+            assert "already in use" in str(e)
+            return "refused"
+
+    try:
+        assert asyncio.run(go()) in ("served", "refused")
+    finally:
+        llm.shutdown()
+    engine = smollm2_llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks

@@ -126,6 +126,7 @@ class AsyncLLM:
         self.stream_queue_size = stream_queue_size
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, object]] = {}
+        self._aborting: set[str] = set()   # ids whose consumer left and whose abort is queued
         self._error: BaseException | None = None
         self._accepting = True
         self._stopped = False
@@ -178,7 +179,7 @@ class AsyncLLM:
         deadline = None if timeout is None else time.monotonic() + timeout
         request = self.engine.make_request(prompt, sampling_params, request_id or uuid.uuid4().hex)
         rid = request.request_id
-        if rid in self._streams:
+        if rid in self._streams or rid in self._aborting:
             raise ValueError(f"request_id {rid!r} is already in use")
         limit = self.max_waiting_requests
         if limit is not None and self.num_waiting_requests() >= limit:
@@ -199,6 +200,7 @@ class AsyncLLM:
         finally:
             self._streams.pop(rid, None)
             if not finished:
+                self._aborting.add(rid)     # the id stays taken until the engine has aborted it
                 self._commands.put(("abort", rid))
 
     async def abort(self, request_id: str) -> bool:
@@ -267,6 +269,7 @@ class AsyncLLM:
             out = self.engine.abort(arg)
             if out is not None:
                 self._deliver(arg, out)
+            self._aborting.discard(arg)
         elif kind == "stop":
             self._abort_all()
             return False

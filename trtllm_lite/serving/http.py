@@ -213,8 +213,16 @@ class OpenAIServer:
                                      headers={"Cache-Control": "no-cache"})
 
         async def run_all():
-            return await asyncio.gather(*[self.service.generate_all(p, params, f"{rid}-{i}")
-                                          for i, p in enumerate(prompts)])
+            tasks = [asyncio.ensure_future(self.service.generate_all(p, params, f"{rid}-{i}"))
+                     for i, p in enumerate(prompts)]
+            try:
+                return await asyncio.gather(*tasks)
+            except BaseException:
+                # one prompt failed (or the client left): end every prompt of the batch
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
         return fmt.whole(await until_disconnected(request, run_all()))
 
