@@ -229,6 +229,10 @@ class AsyncLLM:
         s.update(num_in_flight=self.num_in_flight(), num_step_errors=self.num_step_errors)
         return s
 
+    def abort_all(self) -> None:
+        """Abort every request in the engine; each stream ends with finish reason 'abort'."""
+        self._commands.put(("abort_all", None))
+
     def stop_accepting(self) -> None:
         """Refuse new requests (:class:`ShuttingDownError`); in-flight ones go on."""
         self._accepting = False
@@ -270,6 +274,8 @@ class AsyncLLM:
             if out is not None:
                 self._deliver(arg, out)
             self._aborting.discard(arg)
+        elif kind == "abort_all":
+            self._abort_all()
         elif kind == "stop":
             self._abort_all()
             return False

@@ -188,11 +188,18 @@ class Server:
         await self.health.enter_graceful_shutdown()
         self.llm.stop_accepting()
         grace = self.config.shutdown_grace
+        flush = min(2.0, grace)
+        # the front ends stay up (health answers NOT_SERVING) while in-flight requests finish;
+        # what is left at the deadline is aborted in the engine, so every stream still gets
+        # its final response (finish reason 'abort') before the front ends stop
+        await self.llm.drain(max(grace - flush, 0.0))
+        self.llm.abort_all()
+        await self.llm.drain(flush)
         waits = []
         if self.grpc_server is not None:
-            waits.append(self.grpc_server.stop(grace))
+            waits.append(self.grpc_server.stop(flush))
         if self.http is not None:
-            waits.append(self.http.stop(grace))
+            waits.append(self.http.stop(flush))
         await asyncio.gather(*waits)
         self.llm.shutdown()
         if self._metrics_http is not None:
