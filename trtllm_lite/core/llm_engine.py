@@ -213,10 +213,6 @@ class LLMEngine:
         self.scheduler.add(request.seqs[0])
         self.requests[request.request_id] = request
 
-    # names kept for callers written against the first API
-    make_sequence = make_request
-    add_sequence = add
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         """Queue a request; return its id. Raises ``ValueError`` / ``TypeError`` on bad input."""
