@@ -95,7 +95,8 @@ def test_logprobs_are_of_the_sampled_distribution():
                                      (dict(n=0), "n"), (dict(min_tokens=20, max_tokens=10), "min_tokens"),
                                      (dict(stop=[""]), "stop"), (dict(logprobs=-1), "logprobs"),
                                      (dict(logit_bias={1: 1000}), "logit_bias"), (dict(temperature=float("nan")), "temperature"),
-                                     (dict(stop_token_ids=[-3]), "stop_token_ids")])
+                                     (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(stop=123), "stop"),
+                                     (dict(bad_words=5), "bad_words")])
 def test_out_of_range_values_name_the_parameter(kw, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kw)

@@ -61,6 +61,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("stop", "bad_words", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, list, tuple)):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
