@@ -89,31 +89,33 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
                       starts, qsl, logits_indices)
 
 
-def group_by_query_length(seqs: list[ScheduledSeq], slack: int = 64) -> list[list[int]]:
-    """Split one step's sequences into graph calls whose padding stays small.
+def group_by_query_length(seqs: list[ScheduledSeq], max_padding: int = 1 << 16) -> list[list[int]]:
+    """Split one step's sequences into graph calls whose attention padding stays small.
 
     The PagedAttention function body pads every sequence of a call to the call's longest
-    query ``Q`` (its attention costs ``S x Q x keys``), while every extra call reads all the
-    weights once more. Greedy over the sequences by decreasing query length: a sequence
-    joins the current call while ``S * Q <= 2 * T + slack`` (``T`` the call's real tokens),
-    so a few decodes ride along with a short draft verification (one weight pass), but 63
-    decodes never get padded to a 512-token prompt chunk (measured: such a mixed step padded
-    to 64 x 512 rows took 1.5 GB per layer and ran 3x slower than two calls).
+    query ``Q`` and attends each padded row to the call's longest key range ``L`` (cached
+    context + ``Q``), while every extra call reads all the weights once more. Greedy over the
+    sequences by decreasing query length: a sequence joins the current call while the padded
+    rows times ``L``, ``(S * Q - T) * L``, stay within ``max_padding`` (row x key pairs;
+    the default 65536 costs about what one more pass over SmolLM2's weights costs). So a
+    draft verification carries a few dozen decodes in one call, but 63 decodes are never
+    padded to a 512-token prompt chunk (measured: 1.5 GB of scores per layer, 3x slower).
 
     Returns:
         lists of indices into ``seqs``, each in ascending order; one list when nothing pads.
     """
     order = sorted(range(len(seqs)), key=lambda i: -seqs[i].num_new_tokens)
     groups: list[list[int]] = []
-    tokens = longest = 0
+    longest = tokens = keys = 0
     for i in order:
-        q = seqs[i].num_new_tokens
-        if groups and (len(groups[-1]) + 1) * longest <= 2 * (tokens + q) + slack:
+        s = seqs[i]
+        q, span = s.num_new_tokens, s.start + s.num_new_tokens
+        if groups and ((len(groups[-1]) + 1) * longest - tokens - q) * max(keys, span) <= max_padding:
             groups[-1].append(i)
-            tokens += q
+            tokens, keys = tokens + q, max(keys, span)
         else:
             groups.append([i])
-            tokens = longest = q
+            longest, tokens, keys = q, q, span
     return [sorted(g) for g in groups]
 
 
