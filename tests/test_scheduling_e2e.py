@@ -28,6 +28,9 @@ def configure(smollm2_llm):
 
     yield apply
     engine.kv, engine.scheduler, engine.scheduler_config = saved
+    # the swapped-in managers wrote into the same runner pool: the restored manager's cached
+    # blocks no longer hold what their hashes say
+    engine.kv.pool.reset_prefix_cache()
 
 
 def check_invariants(engine):
