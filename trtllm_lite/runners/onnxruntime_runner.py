@@ -52,7 +52,12 @@ class OrtOptions:
             changes results); ``None`` keeps the engine's build value. Picks the graph
             variant the builder wrote for that level.
         enable_cpu_mem_arena: ONNX Runtime's CPU arena (reuses activation buffers between
-            steps; off returns them to the system after each run).
+            steps; off returns them to the system after each run: measured slower and, from
+            fragmentation, a higher peak).
+        arena_shrinkage: give the arena's unused chunks back after every run (default on).
+            A long prompt's attention scores (about 1 GB for 2048 tokens) otherwise stay
+            held for the process's life; measured on SmolLM2 fp32 serving: peak RSS 2.9 GB
+            instead of 3.7 GB with a 2 GiB KV pool, same throughput.
         enable_prepacking: let kernels repack constant weights at load (default on). Then
             ONNX Runtime reads ``weights.bin`` itself, keeps the packed weights (and the
             originals only where an unpacked reader needs them, e.g. the embedding Gather)
@@ -67,12 +72,14 @@ class OrtOptions:
 
     Defaults can be set from the environment: ``TRTLLM_LITE_ORT_THREADS``,
     ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``, ``TRTLLM_LITE_ORT_MEM_ARENA`` (0/1),
+    ``TRTLLM_LITE_ORT_ARENA_SHRINKAGE`` (0/1),
     ``TRTLLM_LITE_ORT_PREPACKING`` (0/1), ``TRTLLM_LITE_ORT_SPINNING`` (0/1); see :meth:`from_env`.
     """
 
     intra_op_num_threads: int | None = None
     accuracy_level: int | None = None
     enable_cpu_mem_arena: bool = True
+    arena_shrinkage: bool = True
     enable_prepacking: bool = True
     allow_spinning: bool = True
 
@@ -90,6 +97,7 @@ class OrtOptions:
         values = {"intra_op_num_threads": integer("TRTLLM_LITE_ORT_THREADS"),
                   "accuracy_level": integer("TRTLLM_LITE_ORT_ACCURACY_LEVEL"),
                   "enable_cpu_mem_arena": flag("TRTLLM_LITE_ORT_MEM_ARENA"),
+                  "arena_shrinkage": flag("TRTLLM_LITE_ORT_ARENA_SHRINKAGE"),
                   "enable_prepacking": flag("TRTLLM_LITE_ORT_PREPACKING"),
                   "allow_spinning": flag("TRTLLM_LITE_ORT_SPINNING")}
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -198,6 +206,9 @@ class OnnxRuntimeRunner:
         self.value_cache = np.zeros(self.kv_shape, np.float32)
         self.sessions, self._weight_values = create_sessions(
             engine, num_threads, options=self.options, kinds=("prefill",) if self.single_session else None)
+        self._run_options = ort.RunOptions()
+        if self.options.enable_cpu_mem_arena and self.options.arena_shrinkage:
+            self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._pool_values = []
         self._bindings = {}
         for kind, sess in self.sessions.items():
@@ -222,7 +233,7 @@ class OnnxRuntimeRunner:
             binding.bind_cpu_input("logits_indices", inputs.logits_indices)
         for name in ("logits", "new_keys", "new_values"):
             binding.bind_output(name, "cpu")
-        self.sessions[kind].run_with_iobinding(binding)
+        self.sessions[kind].run_with_iobinding(binding, self._run_options)
         logits, new_keys, new_values = binding.get_outputs()
         self._store_kv(inputs.slot_mapping, new_keys.numpy(), new_values.numpy())
         return logits.numpy()
