@@ -85,12 +85,6 @@ class QuantizedLinear:
         """Blocks per row of the input (and of ``offsets``)."""
         return -(-self.k // self.block_size)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes read per use (codes, scales, zero points, offsets)."""
-        return sum(int(a.nbytes) for a in (self.qweight, self.scales, self.zero_points, self.offsets)
-                   if a is not None)
-
     def codes(self) -> np.ndarray:
         """Unpacked codes ``[N, num_blocks * block_size]`` uint8."""
         return unpack_codes(self.qweight, self.bits).reshape(self.n, -1)

@@ -205,7 +205,7 @@ def test_grpc_and_http_share_one_engine(server, grpc_client, smollm2_llm):
 def secure(smollm2_engine, tls_files):
     cert, key = tls_files
     s = ServerProcess(smollm2_engine, *ENGINE_ARGS, "--max-num-seqs", "1", "--max-waiting-requests", "1",
-                      "--tls-cert", cert, "--tls-key", key, "--shutdown-grace", "20",
+                      "--tls-cert", cert, "--tls-key", key, "--shutdown-grace", "90",
                       env={"TRTLLM_LITE_API_KEY": "k3y"})
     yield s, cert
     s.kill()
@@ -232,7 +232,7 @@ def test_api_key_over_tls(secure):
 def test_queue_full_is_429(secure):
     server, cert = secure
     url = f"https://{server.http}/v1/completions"
-    long = {"model": "smollm2", "prompt": "Write an essay.", "max_tokens": 30, "ignore_eos": True}
+    long = {"model": "smollm2", "prompt": "Write an essay.", "max_tokens": 96, "ignore_eos": True}
 
     async def burst():
         async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=cert), timeout=120, headers={"Authorization": "Bearer k3y"}) as h:
@@ -253,7 +253,7 @@ def test_shutdown_finishes_in_flight_and_refuses_new_with_503(secure):
 
     def in_flight():
         with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=120, headers=headers) as h:
-            with h.stream("POST", url, json={"model": "smollm2", "prompt": "Count.", "max_tokens": 24,
+            with h.stream("POST", url, json={"model": "smollm2", "prompt": "Count.", "max_tokens": 160,
                                              "ignore_eos": True, "stream": True}) as r:
                 events = [line for line in r.iter_lines() if line.startswith("data: ")]
         chunks = [json.loads(e[6:]) for e in events[:-1]]
@@ -266,7 +266,8 @@ def test_shutdown_finishes_in_flight_and_refuses_new_with_503(secure):
         assert wait_until(lambda: h.get(f"https://{server.http}/metrics").text.find(
             "trtllm_lite_num_requests_running 1.0") >= 0, timeout=60)
         server.signal()
-        time.sleep(0.5)
+        # the in-flight request (160 tokens) outlasts this on any machine; poll, don't sleep
+        assert wait_until(lambda: h.get(f"https://{server.http}/health").status_code == 503, timeout=10)
         refused = h.post(url, json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
         health = h.get(f"https://{server.http}/health")
     t.join(120)
