@@ -343,7 +343,7 @@ def test_graceful_shutdown(smollm2_engine):
                     results[name] = e.code()
 
             short = threading.Thread(target=consume, args=("short",), kwargs=dict(max_tokens=12, ignore_eos=True))
-            long = threading.Thread(target=consume, args=("long",), kwargs=dict(max_tokens=2000, ignore_eos=True))
+            long = threading.Thread(target=consume, args=("long",), kwargs=dict(max_tokens=1000, ignore_eos=True))
             long.start()
             short.start()
             assert wait_until(lambda: c.model_info().num_running == 2, timeout=30)
