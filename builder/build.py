@@ -30,8 +30,8 @@ class BuildConfig:
 
     Weight-only quantization (:mod:`builder.quantize`): ``quantization`` ``none`` / ``int8`` /
     ``int4``; ``quant_block_size`` weights per scale; ``quant_symmetric`` (else an integer
-    zero point per block); ``quantize_lm_head`` (the lm_head / tied embedding stays float32
-    otherwise); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations,
+    zero point per block); ``quantize_lm_head`` (``None``: only when the GGUF stores the
+    lm_head / tied embedding quantized, mapped exactly; ``False``: float32; ``True``: always); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations,
     the default; 4: int8 activations, faster, changes results; the runtime can switch).
     """
 
@@ -45,7 +45,7 @@ class BuildConfig:
     quantization: str = "none"
     quant_block_size: int = 32
     quant_symmetric: bool = True
-    quantize_lm_head: bool = False
+    quantize_lm_head: bool | None = None
     accuracy_level: int | None = None
 
     def validate(self, max_positions: int) -> None:
@@ -113,6 +113,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     os.makedirs(output, exist_ok=True)
     quantized = quantize_model(loaded, bc.quantization, bc.quant_block_size, bc.quant_symmetric,
                                bc.quantize_lm_head, bc.accuracy_level, log=_log)
+    if quantized:   # record what "auto" chose
+        bc.quantize_lm_head = ("embed.weight" if cfg.tie_word_embeddings else "lm_head.weight") in quantized
     graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len, quantized, bc.accuracy_level,
                                   KV_WRITE.get(bc.backend, "runtime"))
     _log(f"exported prefill and decode graphs ({len(graphs['decode'].graph.node)} nodes each)")

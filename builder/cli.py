@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights per quantization block (power of two >= 16)")
     p.add_argument("--quant-asymmetric", action="store_true",
                    help="an integer zero point per block (default: symmetric)")
-    p.add_argument("--quantize-lm-head", action="store_true",
-                   help="also quantize the lm_head / tied embedding (kept float32 otherwise)")
+    p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="quantize the lm_head / tied embedding (default: only when the GGUF "
+                        "stores it quantized, mapped exactly; float32 otherwise)")
     p.add_argument("--accuracy-level", type=int, default=None, choices=[0, 1, 2, 3, 4],
                    help="MatMulNBits compute precision: 0 float32 activations (default), "
                         "4 int8 activations (faster, changes results)")

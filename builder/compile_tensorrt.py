@@ -123,8 +123,10 @@ def mixed_precision(model, dtype: str):
 
     for node in graph.node:
         if node.op_type in ("Gemm", "PagedAttention"):
-            count = len(node.input) if node.op_type == "Gemm" else 3
-            for j in range(count):
+            # Gemm: every input; PagedAttention: query/key/value and the attention bias
+            floats = range(len(node.input)) if node.op_type == "Gemm" else [j for j in (0, 1, 2, _ATTN_BIAS)
+                                                                              if j < len(node.input)]
+            for j in floats:
                 node.input[j] = cast(node.input[j], low)
             result = node.output[0]
             node.output[0] = f"{result}.{dtype}"
@@ -145,6 +147,15 @@ def mixed_precision(model, dtype: str):
     for function in out.functions:
         _type_generic(function)
     return out
+
+
+def _attn_bias_index() -> int:
+    from .paged_attention import INPUT_NAMES, METADATA_NAMES
+
+    return len(INPUT_NAMES) + METADATA_NAMES.index("attn_bias")
+
+
+_ATTN_BIAS = _attn_bias_index()
 
 
 def _type_generic(function) -> None:

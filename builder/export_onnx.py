@@ -30,7 +30,7 @@ from onnx import TensorProto, helper
 
 from .model_config import ModelConfig
 from .onnx_graph import OPSET, NodeWriter, WeightStore
-from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function
+from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function, write_attention_metadata
 from .quantize import QuantizedLinear
 
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops (MatMulNBits)
@@ -98,6 +98,7 @@ class DecoderGraphWriter:
         self.max_seq_len = max_seq_len
         self.w = NodeWriter()
         self.used: list[str] = []
+        self.metadata: tuple[str, ...] = ()   # attention metadata, written once (runtime KV write)
 
     def weight(self, name: str) -> str:
         if name not in self.weights.arrays:
@@ -143,32 +144,44 @@ class DecoderGraphWriter:
         if self.c.family == "gpt2":
             return w.op("LayerNormalization", x, self.weight(prefix + ".weight"),
                         self.weight(prefix + ".bias"), axis=-1, epsilon=eps)
-        ms = w.op("ReduceMean", w.op("Mul", x, x), w.const([-1]), keepdims=1)
-        inv = w.op("Reciprocal", w.op("Sqrt", w.op("Add", ms, w.const(eps, np.float32))))
-        return w.op("Mul", w.op("Mul", x, inv), self.weight(prefix + ".weight"))
+        # RMSNorm (Zhang & Sennrich 2019) in the op pattern ONNX Runtime fuses into one
+        # SimplifiedLayerNormalization (with the residual Add before it: SkipSimplified...)
+        ms = w.op("ReduceMean", w.op("Pow", x, w.const(2.0, np.float32)), w.const([-1]), keepdims=1)
+        rms = w.op("Sqrt", w.op("Add", ms, w.const(eps, np.float32)))
+        return w.op("Mul", w.op("Div", x, rms), self.weight(prefix + ".weight"))
 
     def rope(self, x: str, cos: str, sin: str) -> str:
-        """Rotate-half rotary embedding on ``x [T, heads, D]``; cos/sin ``[T, 1, D/2]``."""
+        """Rotate-half rotary embedding (RoFormer, Su et al. 2021) on ``x [T, heads, D]``.
+
+        ``cos = [c, c]`` and ``sin = [-s, s]`` are ``[T, 1, D]`` (:meth:`rope_tables`), so
+        ``x * cos + [x2, x1] * sin = [x1 c - x2 s, x2 c + x1 s]``: five ops.
+        """
         w = self.w
         x1, x2 = w.op("Split", x, axis=-1, num_outputs=2, outputs=2)
-        return w.op("Concat", w.op("Sub", w.op("Mul", x1, cos), w.op("Mul", x2, sin)),
-                    w.op("Add", w.op("Mul", x2, cos), w.op("Mul", x1, sin)), axis=-1)
+        return w.op("Add", w.op("Mul", x, cos), w.op("Mul", w.op("Concat", x2, x1, axis=-1), sin))
+
+    def rope_tables(self) -> tuple[str, str]:
+        """The step's ``cos = [c, c]``, ``sin = [-s, s]`` ``[T, 1, D]`` rows at ``positions``."""
+        w = self.w
+        cos = w.op("Gather", self.weight("rope.cos"), "positions", axis=0)    # [T, D/2]
+        sin = w.op("Gather", self.weight("rope.sin"), "positions", axis=0)
+        return (w.op("Unsqueeze", w.op("Concat", cos, cos, axis=-1), w.const([1])),
+                w.op("Unsqueeze", w.op("Concat", w.op("Neg", sin), sin, axis=-1), w.const([1])))
 
     def attention(self, i: int, x: str, cos: str | None, sin: str | None) -> tuple[str, str, str]:
         c, w = self.c, self.w
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = self.linear(x, f"layers.{i}.qkv")
-        q, k, v = w.op("Split", qkv, w.const([hq * d, hkv * d, hkv * d]), axis=1, outputs=3)
-        q = w.op("Reshape", q, w.const([-1, hq, d]))
-        k = w.op("Reshape", k, w.const([-1, hkv, d]))
-        v = w.op("Reshape", v, w.const([-1, hkv, d]))
-        if cos is not None:
-            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        qkv = w.op("Reshape", self.linear(x, f"layers.{i}.qkv"), w.const([-1, hq + 2 * hkv, d]))
+        if cos is None:
+            q, k, v = w.op("Split", qkv, w.const([hq, hkv, hkv]), axis=1, outputs=3)
+        else:       # rotate q and k heads together
+            qk, v = w.op("Split", qkv, w.const([hq + hkv, hkv]), axis=1, outputs=2)
+            q, k = w.op("Split", self.rope(qk, cos, sin), w.const([hq, hkv]), axis=1, outputs=2)
         in_op = self.kv_write == "in_op"
         outs = [w.fresh("pa_out"), f"key_cache_out.{i}", f"value_cache_out.{i}"] if in_op else 1
         plugin = {"plugin_namespace": DOMAIN} if in_op else {}  # TensorRT's parser: use the plugin
         out = w.op(OP_TYPE, q, k, v, f"key_cache.{i}", f"value_cache.{i}", *GRAPH_INPUTS[2:],
-                   domain=DOMAIN, name=f"layers.{i}.paged_attention", outputs=outs,
+                   *self.metadata, domain=DOMAIN, name=f"layers.{i}.paged_attention", outputs=outs,
                    num_heads=hq, num_kv_heads=hkv, scale=float(d) ** -0.5, **plugin)
         out = out[0] if in_op else out
         out = w.op("Reshape", out, w.const([-1, hq * d]))
@@ -190,8 +203,11 @@ class DecoderGraphWriter:
         if c.family == "gpt2":
             x = w.op("Add", x, w.op("Gather", self.weight("pos_embed.weight"), "positions", axis=0))
         else:
-            cos = w.op("Unsqueeze", w.op("Gather", self.weight("rope.cos"), "positions", axis=0), w.const([1]))
-            sin = w.op("Unsqueeze", w.op("Gather", self.weight("rope.sin"), "positions", axis=0), w.const([1]))
+            cos, sin = self.rope_tables()
+        if self.kv_write == "runtime":     # the TensorRT plugin's node keeps the 9 inputs
+            block_size = w.op("Shape", "key_cache.0", start=1, end=2)
+            self.metadata = write_attention_metadata(w, *GRAPH_INPUTS[3:], block_size,
+                                                     w.const([c.num_heads // c.num_kv_heads]))
         new_keys, new_values = [], []
         for i in range(c.num_layers):
             attn, k, v = self.attention(i, self.norm(x, f"layers.{i}.attn_norm"), cos, sin)
@@ -237,7 +253,8 @@ class DecoderGraphWriter:
         opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)]
         if self.quantized:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-        function = make_onnx_function() if self.kv_write == "runtime" else in_op_function()
+        function = (make_onnx_function(heads=(c.num_heads, c.num_kv_heads, c.head_dim))
+                    if self.kv_write == "runtime" else in_op_function())
         model = helper.make_model(graph, opset_imports=opsets, functions=[function],
                                   producer_name="trtllm-lite")
         model.ir_version = 10

@@ -15,6 +15,9 @@ Schema (domain ``trtllm_lite``, version 1)::
       6 block_tables     [num_seqs, max_blocks_per_seq]   int64  logical -> physical block
       7 context_lens     [num_seqs]                       int64  tokens already cached before the step
       8 query_start_loc  [num_seqs + 1]                   int64  packed offsets of each sequence's tokens
+      9-12 (optional) the step's attention metadata, shared by every layer (like vLLM's
+           ``AttentionMetadata``): ``pad_index``, ``unpad_index``, ``ctx_block_ids``,
+           ``attn_bias``, all functions of inputs 6-8 (:func:`write_attention_metadata`)
     attributes
       num_heads, num_kv_heads (int), scale (float, usually head_dim ** -0.5)
     outputs
@@ -47,6 +50,7 @@ INPUT_NAMES = (
     "query", "key", "value", "key_cache", "value_cache",
     "slot_mapping", "block_tables", "context_lens", "query_start_loc",
 )
+METADATA_NAMES = ("pad_index", "unpad_index", "ctx_block_ids", "attn_bias")
 
 
 def write_kv_reference(key_cache: np.ndarray, value_cache: np.ndarray, key: np.ndarray,
@@ -97,7 +101,106 @@ def reference_paged_attention(query: np.ndarray, key: np.ndarray, value: np.ndar
     return out.astype(query.dtype)
 
 
-def make_onnx_function(opset: int | None = None):
+def write_attention_metadata(w, block_tables: str, context_lens: str, query_start_loc: str,
+                             block_size: str, group: str) -> tuple[str, str, str, str]:
+    """Write the nodes that turn the step's block tables and offsets into attention metadata.
+
+    Every layer's attention needs the same index and mask tensors; computed once per graph
+    (vLLM builds its ``AttentionMetadata`` once per step the same way) they cost a few dozen
+    small ops per step instead of per layer. ``block_size`` and ``group`` (query heads per KV
+    head) name ``[1]`` int64 tensors. With S sequences, Q the longest query length in the
+    step, Mc = max(ceil(max context / block_size), 1) and L = Mc * block_size + Q:
+
+        pad_index      [S, Q]            int64  packed token of padded row (s, j): qsl[s] + min(j, qlen_s - 1)
+        unpad_index    [T]               int64  padded row of packed token t: s * Q + (t - qsl[s])
+        ctx_block_ids  [S, Mc]           int64  block_tables[:, :Mc]
+        attn_bias      [S, 1, G * Q, L]  float32  0 where row j of s sees position l (cached
+                                         l < ctx_s; new l - Mc * B <= j), else -inf;
+                                         rows g * Q + j repeat the Q rows for each of G heads
+
+    Returns the four tensor names in that order (:data:`METADATA_NAMES`).
+    """
+    import onnx
+
+    i64 = lambda v: w.const(v)  # noqa: E731
+    bt, ctx, qsl = block_tables, context_lens, query_start_loc
+    zero, one, neg1 = i64([0]), i64([1]), i64([-1])
+    zero_s, one_s = i64(0), i64(1)
+
+    qsl_lo = w.op("Slice", qsl, zero, neg1)                         # [S]
+    qsl_hi = w.op("Slice", qsl, one, i64([2**62]))                  # [S]
+    qlens = w.op("Sub", qsl_hi, qsl_lo)                             # [S]
+    qmax = w.op("ReduceMax", qlens, keepdims=1)                     # [1] = Q
+    j = w.op("Range", zero_s, w.op("Squeeze", qmax, zero), one_s)         # [Q]
+    last = w.op("Sub", w.op("Unsqueeze", qlens, one), one)          # [S, 1]
+    pad_index = w.op("Add", w.op("Unsqueeze", qsl_lo, one),
+                     w.op("Min", w.op("Unsqueeze", j, zero), last))  # [S, Q]
+
+    max_ctx = w.op("ReduceMax", ctx, keepdims=1)                    # [1]
+    ctx_blocks = w.op("Max", w.op("Div", w.op("Add", max_ctx, w.op("Sub", block_size, one)), block_size), one)
+    ctx_block_ids = w.op("Slice", bt, zero, ctx_blocks, one)        # [S, Mc]
+
+    # mask [S, Q, L]: cached position l valid if l < ctx_s; new j' valid if j' <= j
+    num_seqs = w.op("Shape", ctx)                                   # [1] = S
+    lc = w.op("Mul", ctx_blocks, block_size)                        # [1]
+    lpos = w.op("Range", zero_s, w.op("Squeeze", lc, zero), one_s)        # [Lc]
+    ctx_ok = w.op("Less", w.op("Unsqueeze", lpos, zero), w.op("Unsqueeze", ctx, one))  # [S, Lc]
+    ctx_ok = w.op("Expand", w.op("Unsqueeze", ctx_ok, one), w.op("Concat", num_seqs, qmax, lc, axis=0))
+    new_ok = w.op("LessOrEqual", w.op("Unsqueeze", j, zero), w.op("Unsqueeze", j, one))  # [Q, Q]
+    new_ok = w.op("Expand", w.op("Unsqueeze", new_ok, zero), w.op("Concat", num_seqs, qmax, qmax, axis=0))
+    mask = w.op("Unsqueeze", w.op("Concat", ctx_ok, new_ok, axis=2), one)   # [S, 1, Q, L]
+    # additive bias (0 / -inf): one broadcast Add on the scores is much cheaper than Where
+    bias = w.op("Where", mask, w.const(0.0, np.float32), w.const(-np.inf, np.float32))
+    attn_bias = w.op("Tile", bias, w.op("Concat", one, one, group, one, axis=0))   # [S, 1, G*Q, L]
+
+    # unpad: token t of sequence s -> s * Q + (t - qsl[s])
+    num_tokens = w.op("Slice", qsl, neg1, i64([2**62]))             # [1] = T
+    t = w.op("Range", zero_s, w.op("Squeeze", num_tokens, zero), one_s)   # [T]
+    seq_of_t = w.op("ReduceSum", w.op("Cast", w.op("GreaterOrEqual", w.op("Unsqueeze", t, one),
+                                                    w.op("Unsqueeze", qsl_hi, zero)), to=onnx.TensorProto.INT64),
+                    one, keepdims=0)                                # [T]
+    unpad_index = w.op("Add", w.op("Mul", seq_of_t, qmax), w.op("Sub", t, w.op("Gather", qsl_lo, seq_of_t, axis=0)))
+    return pad_index, unpad_index, ctx_block_ids, attn_bias
+
+
+def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str) -> None:
+    """The attention over gathered context blocks (see :func:`make_onnx_function`).
+
+    ``dims``: ``heads``, ``kv_heads``, ``group``, ``head_dim`` as ``[1]`` int64 tensor names
+    (constants when known at export, else read from the inputs' shapes).
+    """
+    pad_index, unpad_index, ctx_block_ids, attn_bias = metadata
+    zero, neg1 = w.const([0]), w.const([-1])
+    h, hkv, g, d = dims["heads"], dims["kv_heads"], dims["group"], dims["head_dim"]
+    q_pad = w.op("Gather", q, pad_index, axis=0)                                # [S, Q, H, D]
+    q5 = w.op("Reshape", q_pad, w.op("Concat", zero, zero, hkv, g, d, axis=0))  # [S, Q, Hkv, G, D]
+    q4 = w.op("Reshape", w.op("Transpose", q5, perm=[0, 2, 3, 1, 4]),
+              w.op("Concat", zero, zero, neg1, d, axis=0))                      # [S, Hkv, G*Q, D]
+    ctx_shape = w.op("Concat", zero, neg1, hkv, d, axis=0)
+    keys = w.op("Concat", w.op("Reshape", w.op("Gather", kc, ctx_block_ids, axis=0), ctx_shape),
+                w.op("Gather", k, pad_index, axis=0), axis=1)                   # [S, Lc+Q, Hkv, D]
+    values = w.op("Concat", w.op("Reshape", w.op("Gather", vc, ctx_block_ids, axis=0), ctx_shape),
+                  w.op("Gather", v, pad_index, axis=0), axis=1)
+    scores = w.op("MatMul", w.op("Mul", q4, scale), w.op("Transpose", keys, perm=[0, 2, 3, 1]))
+    probs = w.op("Softmax", w.op("Add", scores, attn_bias), axis=-1)            # [S, Hkv, G*Q, L]
+    o = w.op("MatMul", probs, w.op("Transpose", values, perm=[0, 2, 1, 3]))     # [S, Hkv, G*Q, D]
+    o5 = w.op("Reshape", o, w.op("Concat", zero, zero, g, neg1, d, axis=0))     # [S, Hkv, G, Q, D]
+    o_pad = w.op("Reshape", w.op("Transpose", o5, perm=[0, 3, 1, 2, 4]),
+                 w.op("Concat", neg1, h, d, axis=0))                            # [S*Q, H, D]
+    w.op("Gather", o_pad, unpad_index, axis=0, outputs=[output])
+
+
+def _scale_constant(w) -> str:
+    """A ``Constant`` node whose float value is the function's ``scale`` attribute."""
+    from onnx import AttributeProto
+
+    scale = w.op("Constant", outputs=1)
+    w.nodes[-1].attribute.append(AttributeProto(name="value_float", ref_attr_name="scale",
+                                                type=AttributeProto.FLOAT))
+    return scale
+
+
+def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | None = None):
     """The op as a model-local ONNX function whose body uses standard ops only.
 
     ONNX Runtime and TensorRT-RTX inline this body. Layout inside (S sequences, Q the
@@ -106,92 +209,40 @@ def make_onnx_function(opset: int | None = None):
         query [T, H, D] --gather by pad index--> [S, Q, H, D]       (packed -> padded)
         key_cache --gather block_tables[:, :ceil(max ctx / B)]--> [S, Lc, Hkv, D]
         keys = concat(cached [S, Lc], new [S, Q])                    along positions
-        scores [S, Hkv, G*Q, Lc+Q] = q @ keys^T * scale; masked: cached l < ctx_s, new l <= j
+        scores [S, Hkv, G*Q, Lc+Q] = q * scale @ keys^T + bias      (0 / -inf, causal + context)
         out = softmax(scores) @ values --gather by unpad index--> [T, H, D]
 
     The gathered context grows with the longest context in the step, never with the pool.
+
+    Args:
+        opset: default-domain opset of the body (default :data:`~builder.onnx_graph.OPSET`).
+        heads: ``(num_heads, num_kv_heads, head_dim)`` known at export: the function then
+            takes the metadata inputs 9-12 (:func:`write_attention_metadata`, written once in
+            the graph) and its reshapes use constants, so a layer's attention is about 25
+            ops. ``None``: the self-contained 9-input body (computes its own metadata and
+            reads the sizes from the inputs' shapes).
     """
-    import onnx
-    from onnx import AttributeProto, helper
+    from onnx import helper
 
     from .onnx_graph import OPSET, NodeWriter
 
     w = NodeWriter("pa_")
-    i64 = lambda v: w.const(v)  # noqa: E731
     q, k, v, kc, vc, _slots, bt, ctx, qsl = INPUT_NAMES
-    zero, one, neg1 = i64([0]), i64([1]), i64([-1])
-    zero_s, one_s = i64(0), i64(1)
-
-    # --- sizes
-    num_seqs = w.op("Shape", ctx)                                   # [1] = S
-    num_tokens = w.op("Shape", q, start=0, end=1)                   # [1] = T
-    heads = w.op("Shape", q, start=1, end=2)                        # [1] = H
-    kv_heads = w.op("Shape", k, start=1, end=2)                     # [1] = Hkv
-    kv_hd = w.op("Shape", k, start=1)                               # [2] = Hkv, D
-    head_dim = w.op("Shape", q, start=2)                            # [1] = D
-    block = w.op("Shape", kc, start=1, end=2)                       # [1] = B
-    group = w.op("Div", heads, kv_heads)                            # [1] = G
-
-    # --- padded query index: pad_idx[s, j] = qsl[s] + min(j, qlen_s - 1)
-    qsl_lo = w.op("Slice", qsl, zero, neg1)                         # [S]
-    qsl_hi = w.op("Slice", qsl, one, i64([2**62]))                  # [S]
-    qlens = w.op("Sub", qsl_hi, qsl_lo)                             # [S]
-    qmax = w.op("ReduceMax", qlens, keepdims=1)                     # [1]
-    j = w.op("Range", zero_s, w.op("Squeeze", qmax), one_s)         # [Q]
-    last = w.op("Sub", w.op("Unsqueeze", qlens, one), one)          # [S, 1]
-    pad_idx = w.op("Add", w.op("Unsqueeze", qsl_lo, one),
-                   w.op("Min", w.op("Unsqueeze", j, zero), last))   # [S, Q]
-    q_pad = w.op("Gather", q, pad_idx, axis=0)                      # [S, Q, H, D]
-    k_new = w.op("Gather", k, pad_idx, axis=0)                      # [S, Q, Hkv, D]
-    v_new = w.op("Gather", v, pad_idx, axis=0)
-
-    # --- cached context through the block table (at least one block, masked if unused)
-    max_ctx = w.op("ReduceMax", ctx, keepdims=1)                    # [1]
-    ctx_blocks = w.op("Max", w.op("Div", w.op("Add", max_ctx, w.op("Sub", block, one)), block), one)
-    bt_used = w.op("Slice", bt, zero, ctx_blocks, one)              # [S, Mc]
-    ctx_shape = w.op("Concat", num_seqs, neg1, kv_hd, axis=0)       # [S, -1, Hkv, D]
-    k_ctx = w.op("Reshape", w.op("Gather", kc, bt_used, axis=0), ctx_shape)  # [S, Lc, Hkv, D]
-    v_ctx = w.op("Reshape", w.op("Gather", vc, bt_used, axis=0), ctx_shape)
-    keys = w.op("Concat", k_ctx, k_new, axis=1)                     # [S, Lc+Q, Hkv, D]
-    values = w.op("Concat", v_ctx, v_new, axis=1)
-
-    # --- mask [S, Q, Lc+Q]: cached position l valid if l < ctx_s; new j' valid if j' <= j
-    lc = w.op("Mul", ctx_blocks, block)                             # [1]
-    lpos = w.op("Range", zero_s, w.op("Squeeze", lc), one_s)        # [Lc]
-    ctx_ok = w.op("Less", w.op("Unsqueeze", lpos, zero), w.op("Unsqueeze", ctx, one))  # [S, Lc]
-    ctx_ok = w.op("Expand", w.op("Unsqueeze", ctx_ok, one), w.op("Concat", num_seqs, qmax, lc, axis=0))
-    new_ok = w.op("LessOrEqual", w.op("Unsqueeze", j, zero), w.op("Unsqueeze", j, one))  # [Q, Q]
-    new_ok = w.op("Expand", w.op("Unsqueeze", new_ok, zero), w.op("Concat", num_seqs, qmax, qmax, axis=0))
-    mask = w.op("Unsqueeze", w.op("Concat", ctx_ok, new_ok, axis=2), i64([1, 2]))  # [S,1,1,Q,L]
-    # additive bias (0 / -inf): one broadcast Add on the scores is much cheaper than Where
-    bias = w.op("Where", mask, w.const(0.0, np.float32), w.const(-np.inf, np.float32))
-
-    # --- scores and softmax, grouped by KV head: [S, Hkv, G*Q, L]
-    q5 = w.op("Reshape", q_pad, w.op("Concat", num_seqs, qmax, kv_heads, group, head_dim, axis=0))
-    q4 = w.op("Reshape", w.op("Transpose", q5, perm=[0, 2, 3, 1, 4]),
-              w.op("Concat", num_seqs, kv_heads, neg1, head_dim, axis=0))       # [S, Hkv, G*Q, D]
-    k_t = w.op("Transpose", keys, perm=[0, 2, 3, 1])                            # [S, Hkv, D, L]
-    scale = w.op("Constant", outputs=1)
-    w.nodes[-1].attribute.append(AttributeProto(name="value_float", ref_attr_name="scale",
-                                                type=AttributeProto.FLOAT))
-    scores = w.op("Mul", w.op("MatMul", q4, k_t), scale)
-    scores5 = w.op("Reshape", scores, w.op("Concat", num_seqs, kv_heads, group, qmax, neg1, axis=0))
-    probs = w.op("Softmax", w.op("Add", scores5, bias), axis=-1)               # [S, Hkv, G, Q, L]
-    probs4 = w.op("Reshape", probs, w.op("Concat", num_seqs, kv_heads, neg1, w.op("Shape", keys, start=1, end=2), axis=0))
-    o = w.op("MatMul", probs4, w.op("Transpose", values, perm=[0, 2, 1, 3]))   # [S, Hkv, G*Q, D]
-    o5 = w.op("Reshape", o, w.op("Concat", num_seqs, kv_heads, group, qmax, head_dim, axis=0))
-    o_pad = w.op("Reshape", w.op("Transpose", o5, perm=[0, 3, 1, 2, 4]),
-                 w.op("Concat", neg1, heads, head_dim, axis=0))                # [S*Q, H, D]
-
-    # --- unpad: token t of sequence s -> s * Q + (t - qsl[s])
-    t = w.op("Range", zero_s, w.op("Squeeze", num_tokens), one_s)              # [T]
-    seq_of_t = w.op("ReduceSum", w.op("Cast", w.op("GreaterOrEqual", w.op("Unsqueeze", t, one),
-                                                    w.op("Unsqueeze", qsl_hi, zero)), to=onnx.TensorProto.INT64),
-                    one, keepdims=0)                                           # [T]
-    unpad = w.op("Add", w.op("Mul", seq_of_t, qmax), w.op("Sub", t, w.op("Gather", qsl_lo, seq_of_t, axis=0)))
-    w.op("Gather", o_pad, unpad, axis=0, outputs=["output"])
-
+    if heads is None:
+        inputs = list(INPUT_NAMES)
+        kv_heads = w.op("Shape", k, start=1, end=2)
+        dims = {"heads": w.op("Shape", q, start=1, end=2), "kv_heads": kv_heads,
+                "head_dim": w.op("Shape", q, start=2)}
+        dims["group"] = w.op("Div", dims["heads"], kv_heads)
+        metadata = write_attention_metadata(w, bt, ctx, qsl, w.op("Shape", kc, start=1, end=2), dims["group"])
+    else:
+        inputs = list(INPUT_NAMES + METADATA_NAMES)
+        num_heads, num_kv_heads, head_dim = heads
+        dims = {"heads": w.const([num_heads]), "kv_heads": w.const([num_kv_heads]),
+                "group": w.const([num_heads // num_kv_heads]), "head_dim": w.const([head_dim])}
+        metadata = METADATA_NAMES
+    _write_attention(w, q, k, v, kc, vc, metadata, dims, _scale_constant(w), "output")
     return helper.make_function(
-        DOMAIN, OP_TYPE, list(INPUT_NAMES), ["output"], w.nodes,
+        DOMAIN, OP_TYPE, inputs, ["output"], w.nodes,
         [helper.make_opsetid("", opset or OPSET)],
         attributes=["num_heads", "num_kv_heads", "scale"])

@@ -235,14 +235,16 @@ def linear_weight_names(config, include_lm_head: bool) -> list[str]:
 
 
 def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: bool = True,
-                   quantize_lm_head: bool = False, accuracy_level: int = 0, log=None
+                   quantize_lm_head: bool | None = None, accuracy_level: int = 0, log=None
                    ) -> dict[str, QuantizedLinear]:
     """Choose and quantize the linear weights of a :class:`~builder.loaders.LoadedModel`.
 
     A weight the GGUF stores in a type of the requested width (Q4_0/Q4_1 for ``int4``,
     Q8_0 for ``int8``) is mapped exactly (:func:`from_gguf`, block size 32); any other is
     block-quantized from its float values (:func:`quantize_weight`). The lm_head (tied
-    embedding or not) stays float32 unless ``quantize_lm_head``. 8-bit weights are stored
+    embedding or not): ``True`` quantizes it, ``False`` keeps it float32, ``None`` (default)
+    quantizes it only when the GGUF stores it in a type that maps exactly (Q8_0, Q4_0, Q4_1
+    at block size 32), so it keeps the very values of the float engine built from that file. 8-bit weights are stored
     split (:func:`split_8bit`) unless ``accuracy_level`` is 4 (int8 activations) or their K is
     not a multiple of the block.
 
@@ -258,6 +260,9 @@ def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: b
     bits = BITS[quantization]
     raw = loaded.extra.get("gguf_raw", {})
     exact = {4: ("Q4_0", "Q4_1"), 8: ("Q8_0",)}[bits]
+    if quantize_lm_head is None:
+        head = "embed.weight" if loaded.config.tie_word_embeddings else "lm_head.weight"
+        quantize_lm_head = block_size == GGUF_BLOCK and raw.get(head, (None,))[0] in ("Q8_0", "Q4_0", "Q4_1")
     out, counts = {}, {}
     for name in linear_weight_names(loaded.config, quantize_lm_head):
         kind, data = raw.get(name, (None, None))

@@ -5,12 +5,15 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from builder.onnx_graph import OPSET
-from builder.paged_attention import (DOMAIN, INPUT_NAMES, OP_TYPE, make_onnx_function,
-                                     reference_paged_attention, write_kv_reference)
+from builder.onnx_graph import OPSET, NodeWriter
+from builder.paged_attention import (DOMAIN, INPUT_NAMES, METADATA_NAMES, OP_TYPE, make_onnx_function,
+                                     reference_paged_attention, write_attention_metadata,
+                                     write_kv_reference)
 
 
-def single_op_session(num_heads, num_kv_heads, head_dim):
+def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False):
+    """One PagedAttention node; ``metadata``: fed by the metadata nodes written once in the
+    graph (the engines' form) instead of the self-contained body."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     dims = {"query": (f32, ["T", num_heads, head_dim]), "key": (f32, ["T", num_kv_heads, head_dim]),
             "value": (f32, ["T", num_kv_heads, head_dim]),
@@ -19,13 +22,20 @@ def single_op_session(num_heads, num_kv_heads, head_dim):
             "slot_mapping": (i64, ["T"]), "block_tables": (i64, ["S", "M"]),
             "context_lens": (i64, ["S"]), "query_start_loc": (i64, ["S1"])}
     inputs = [helper.make_tensor_value_info(n, *dims[n]) for n in INPUT_NAMES]
-    node = helper.make_node(OP_TYPE, list(INPUT_NAMES), ["output"], domain=DOMAIN,
+    w = NodeWriter("meta_")
+    node_inputs = list(INPUT_NAMES)
+    if metadata:
+        node_inputs += write_attention_metadata(w, "block_tables", "context_lens", "query_start_loc",
+                                                w.op("Shape", "key_cache", start=1, end=2),
+                                                w.const([num_heads // num_kv_heads]))
+    node = helper.make_node(OP_TYPE, node_inputs, ["output"], domain=DOMAIN,
                             num_heads=num_heads, num_kv_heads=num_kv_heads, scale=head_dim ** -0.5)
-    graph = helper.make_graph([node], "pa", inputs,
+    graph = helper.make_graph(w.nodes + [node], "pa", inputs,
                               [helper.make_tensor_value_info("output", f32, ["T", num_heads, head_dim])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(DOMAIN, 1)],
-                              functions=[make_onnx_function()])
+                              functions=[make_onnx_function(
+                                  heads=(num_heads, num_kv_heads, head_dim) if metadata else None)])
     onnx.checker.check_model(model, full_check=True)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -68,11 +78,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("metadata", [False, True], ids=["self-contained", "metadata-inputs"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", CASES)
-def test_function_body_matches_reference(heads, kv_heads, head_dim, block_size, ctx, qlens):
+def test_function_body_matches_reference(heads, kv_heads, head_dim, block_size, ctx, qlens, metadata):
     rng = np.random.default_rng(0)
     step = random_step(rng, ctx, qlens, heads, kv_heads, head_dim, block_size)
-    sess = single_op_session(heads, kv_heads, head_dim)
+    sess = single_op_session(heads, kv_heads, head_dim, metadata)
     (got,) = sess.run(None, step)
     want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
                                      step["value_cache"], step["block_tables"], step["context_lens"],
@@ -93,3 +104,4 @@ def test_write_then_attend_equals_attend_over_cache():
                                      step["key_cache"], step["value_cache"], step["block_tables"],
                                      np.array([9]), np.array([0, 1]), 8 ** -0.5)
     np.testing.assert_allclose(last[0], out_prefill[9], rtol=1e-5, atol=1e-6)
+

@@ -173,8 +173,11 @@ def test_smollm2_int4_maps_every_q4_1_block(smollm2_int4_engine):
     from trtllm_lite.engine_dir import load_engine_dir
 
     m = load_engine_dir(smollm2_int4_engine).manifest
-    assert set(m["quantization"]["weights"].values()) == {"gguf:Q4_1"}
-    assert len(m["quantization"]["weights"]) == 120   # 210 Q4_1 tensors, q/k/v and gate/up fused
+    weights = dict(m["quantization"]["weights"])
+    # the tied lm_head is Q8_0 in the GGUF: mapped exactly (by default), as two 4-bit halves
+    assert weights.pop("embed.weight") == "gguf:Q8_0+split" and m["build"]["quantize_lm_head"] is True
+    assert set(weights.values()) == {"gguf:Q4_1"}
+    assert len(weights) == 120   # 210 Q4_1 tensors, q/k/v and gate/up fused
     assert m["build"]["quantization"] == "int4" and m["build"]["accuracy_level"] == 0
     linear_bytes = sum(t["nbytes"] for n, t in m["weights"]["tensors"].items() if n.startswith("layers."))
     assert linear_bytes < 0.22 * 4 * 106e6          # ~6.6 bits per weight (codes, d, m, zero points)
