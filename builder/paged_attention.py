@@ -174,16 +174,28 @@ def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str
     h, hkv, g, d = dims["heads"], dims["kv_heads"], dims["group"], dims["head_dim"]
     q_pad = w.op("Gather", q, pad_index, axis=0)                                # [S, Q, H, D]
     q5 = w.op("Reshape", q_pad, w.op("Concat", zero, zero, hkv, g, d, axis=0))  # [S, Q, Hkv, G, D]
-    q4 = w.op("Reshape", w.op("Transpose", q5, perm=[0, 2, 3, 1, 4]),
-              w.op("Concat", zero, zero, neg1, d, axis=0))                      # [S, Hkv, G*Q, D]
-    ctx_shape = w.op("Concat", zero, neg1, hkv, d, axis=0)
-    keys = w.op("Concat", w.op("Reshape", w.op("Gather", kc, ctx_block_ids, axis=0), ctx_shape),
-                w.op("Gather", k, pad_index, axis=0), axis=1)                   # [S, Lc+Q, Hkv, D]
-    values = w.op("Concat", w.op("Reshape", w.op("Gather", vc, ctx_block_ids, axis=0), ctx_shape),
-                  w.op("Gather", v, pad_index, axis=0), axis=1)
-    scores = w.op("MatMul", w.op("Mul", q4, scale), w.op("Transpose", keys, perm=[0, 2, 3, 1]))
-    probs = w.op("Softmax", w.op("Add", scores, attn_bias), axis=-1)            # [S, Hkv, G*Q, L]
-    o = w.op("MatMul", probs, w.op("Transpose", values, perm=[0, 2, 1, 3]))     # [S, Hkv, G*Q, D]
+    q4 = w.op("Transpose", q5, perm=[0, 2, 3, 1, 4])                            # [S, Hkv, G, Q, D]
+
+    # K/V head-major [S, Hkv, L, D]: only transposes that move whole D-rows (fast), never
+    # one that puts L innermost (ONNX Runtime's general transpose is ~5x slower)
+    ctx_shape = w.op("Concat", zero, zero, neg1, d, axis=0)
+
+    def head_major(cache, new):
+        cached = w.op("Transpose", w.op("Gather", cache, ctx_block_ids, axis=0), perm=[0, 3, 1, 2, 4])
+        return w.op("Concat", w.op("Reshape", cached, ctx_shape),                # [S, Hkv, Lc, D]
+                    w.op("Transpose", w.op("Gather", new, pad_index, axis=0), perm=[0, 2, 1, 3]), axis=2)
+
+    keys, values = head_major(kc, k), head_major(vc, v)
+    # scores as [S*Hkv, G*Q, L] = q @ k^T over 3-D views, so the k^T folds into the MatMul
+    rows_of_d = w.const([0, -1])
+    as_3d = lambda x: w.op("Reshape", w.op("Flatten", x, axis=2), w.op("Concat", rows_of_d, d, axis=0))  # noqa: E731
+    scores3 = w.op("MatMul", w.op("Mul", as_3d(q4), scale), w.op("Transpose", as_3d(keys), perm=[0, 2, 1]))
+    bias_shape = w.op("Shape", attn_bias)                                       # [S, 1, G*Q, L]
+    scores_shape = w.op("Concat", w.op("Slice", bias_shape, zero, w.const([1])), hkv,
+                        w.op("Slice", bias_shape, w.const([2]), w.const([4])), axis=0)
+    scores = w.op("Reshape", scores3, scores_shape)                             # [S, Hkv, G*Q, L]
+    probs = w.op("Softmax", w.op("Add", scores, attn_bias), axis=-1)
+    o = w.op("MatMul", probs, values)                                           # [S, Hkv, G*Q, D]
     o5 = w.op("Reshape", o, w.op("Concat", zero, zero, g, neg1, d, axis=0))     # [S, Hkv, G, Q, D]
     o_pad = w.op("Reshape", w.op("Transpose", o5, perm=[0, 3, 1, 2, 4]),
                  w.op("Concat", neg1, h, d, axis=0))                            # [S*Q, H, D]

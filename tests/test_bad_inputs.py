@@ -105,3 +105,26 @@ def test_unsupported_architecture_and_missing_tensor(tmp_path):
     save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(UnsupportedModelError, match="layers.1.mlp.up_proj.weight"):
         load_hf_dir(d)
+
+
+@pytest.mark.parametrize("prompts", [{"a": 1}, 42, None])
+def test_prompts_of_the_wrong_type_are_a_type_error(smollm2_llm, prompts):
+    with pytest.raises(TypeError, match="prompts"):
+        smollm2_llm.generate(prompts, SamplingParams(max_tokens=1))
+
+
+def test_serve_cli_rejects_a_bad_port_and_reports_a_busy_one(smollm2_engine):
+    import socket
+    import subprocess
+    import sys
+
+    run = lambda *a: subprocess.run([sys.executable, "-m", "trtllm_lite.cli", "serve", "--engine", smollm2_engine,  # noqa: E731
+                                     "--no-verify-checksums", "--num-kv-blocks", "16", *a],
+                                    capture_output=True, text=True, timeout=120)
+    bad = run("--port", "70000")
+    assert bad.returncode == 2 and "out of range 0-65535" in bad.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = run("--port", "0", "--http-port", str(busy.getsockname()[1]))
+    assert taken.returncode == 1 and "error:" in taken.stderr and "Traceback" not in taken.stderr

@@ -108,3 +108,12 @@ def test_bad_words_forbid_their_last_token_after_their_prefix():
     x = processed([1.0] * 10, r)
     assert x[3] == -np.inf and x[2] == -np.inf     # single-token word; prefix [6] matches the output's end
     assert x[4] == 1.0                              # prefix [9] does not
+
+
+def test_huge_temperature_samples_uniformly_without_overflow():
+    logits = np.array([[1.0, 3.0, -np.inf, 0.5]], np.float32)      # token 2 forbidden (bad word, bias)
+    rows = [row(temperature=1e308, seed=s) for s in range(400)]
+    with np.errstate(all="raise"):
+        tokens, _ = Sampler(0)(np.repeat(logits, 400, axis=0), rows)
+    counts = np.bincount(tokens, minlength=4)
+    assert counts[2] == 0 and counts.min(initial=400, where=[True, True, False, True]) > 100

@@ -161,6 +161,14 @@ def test_bad_json_is_400(server):
     assert r.status_code == 400 and "error" in r.json()
 
 
+def test_unknown_route_and_wrong_method_use_the_openai_error_shape(server):
+    missing = httpx.post(f"http://{server.http}/v1/embeddings", json={}, timeout=30)
+    wrong = httpx.get(f"http://{server.http}/v1/completions", timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    assert "/v1/embeddings" in missing.json()["error"]["message"]
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+
+
 def test_models_health_metrics_tokenizer(server, smollm2_llm):
     base = f"http://{server.http}"
     models = httpx.get(f"{base}/v1/models", timeout=30).json()

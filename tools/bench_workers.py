@@ -36,6 +36,7 @@ def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
         out["latency"][str(n)] = lat["ttft_ms"]
         if i == 0:
             out["decode_tokens_per_s"] = lat["decode_tokens_per_s"]
+            out["host_overhead_batch1"] = lat["host_overhead"]
     if full:
         for name in ("random", "equal"):
             w = spec[name]

@@ -53,9 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(modules[args.command].run(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:     # bad input, a busy port, a path that cannot be written
+        if isinstance(e, BrokenPipeError):  # `trtllm-lite generate ... | head`
+            return 0
         print(f"trtllm-lite {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"trtllm-lite {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

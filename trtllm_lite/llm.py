@@ -27,7 +27,10 @@ class LLM:
         is validated before any runs; a bad one raises ``ValueError`` / ``TypeError`` naming
         the problem and nothing is queued.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if not isinstance(prompts, (str, list, tuple)):
+            raise TypeError(f"prompts must be a str, a list of token ids, or a list of either; "
+                            f"got {type(prompts).__name__}")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)

@@ -193,7 +193,9 @@ class Sampler:
         if sampled.any():
             idx = np.nonzero(sampled)[0]
             params = [rows[i].params for i in idx]
-            t = x[idx] / np.array([p.temperature for p in params], np.float32)[:, None]
+            # temperatures past 1e6 are uniform sampling already; capped so float32 stays finite
+            temps = np.minimum([p.temperature for p in params], 1e6).astype(np.float32)
+            t = x[idx] / temps[:, None]
             apply_top_k(t, np.array([p.top_k for p in params]))
             probs = softmax(t)
             apply_top_p(probs, np.array([p.top_p for p in params]))

@@ -62,6 +62,7 @@ class RunResult:
     tpot_ms: dict = field(default_factory=dict)
     num_steps: int = 0
     peak_kv_blocks: int = 0
+    host_overhead: float | None = None   # share of wall time outside graph runs (Python, numpy)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -91,6 +92,7 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: list[int] | int,
     pending, in_flight = deque(range(n)), set()
     ttft, tpot, out_tokens, peak_blocks = [], [], 0, 0
     steps0 = engine.num_steps
+    graph0 = getattr(engine.runner, "graph_time_s", None)
     t0 = time.monotonic()
     while pending or in_flight:
         while pending and len(in_flight) < concurrency:
@@ -109,8 +111,9 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: list[int] | int,
             if k > 1:
                 tpot.append((m.finished_time - m.first_token_time) / (k - 1) * 1e3)
     wall = time.monotonic() - t0
+    host = None if graph0 is None else 1.0 - (engine.runner.graph_time_s - graph0) / wall
     return RunResult(n, concurrency, wall, sum(len(p) for p in prompts), out_tokens,
-                     percentiles(ttft), percentiles(tpot), engine.num_steps - steps0, peak_blocks)
+                     percentiles(ttft), percentiles(tpot), engine.num_steps - steps0, peak_blocks, host)
 
 
 def greedy_ids(engine, prompt: list[int], max_tokens: int) -> list[int]:
@@ -138,7 +141,8 @@ def measure_latency(engine, prompt_len: int, max_tokens: int, repeats: int = 3, 
         r = run_requests(engine, prompt, max_tokens)
         ttft.append(r.ttft_ms["p50"])
         tpot.append(r.tpot_ms.get("p50"))
-    result = {"prompt_len": prompt_len, "max_tokens": max_tokens, "ttft_ms": float(np.median(ttft))}
+    result = {"prompt_len": prompt_len, "max_tokens": max_tokens, "ttft_ms": float(np.median(ttft)),
+              "host_overhead": r.host_overhead}
     if max_tokens > 1:
         result["tpot_ms"] = float(np.median(tpot))
         result["decode_tokens_per_s"] = 1e3 / result["tpot_ms"]
@@ -186,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
         results["throughput"].append(r.to_dict())
         print(f"{args.num_requests} requests x {args.input_len} in / {args.output_len} out, concurrency "
               f"{c:3d}: {r.output_tokens_per_s:.1f} output tokens/s, {r.total_tokens_per_s:.1f} total "
-              f"tokens/s, TTFT p50 {r.ttft_ms['p50']:.0f} ms, TPOT p50 {r.tpot_ms.get('p50', 0):.1f} ms")
+              f"tokens/s, TTFT p50 {r.ttft_ms['p50']:.0f} ms, TPOT p50 {r.tpot_ms.get('p50', 0):.1f} ms"
+              + (f", host work {r.host_overhead:.1%} of wall" if r.host_overhead is not None else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

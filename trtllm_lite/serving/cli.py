@@ -40,6 +40,17 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0 (pick a free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} out of range 0-65535")
+    return port
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     opts = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len",
                                           "kv_cache_memory_bytes", "num_kv_blocks", "num_threads", "seed")
@@ -59,9 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
-    g.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics HTTP port (0: pick one)")
-    g.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (0: pick one)")
+    g.add_argument("--port", type=port_number, default=50051, help="gRPC port (0: pick a free one)")
+    g.add_argument("--metrics-port", type=port_number, default=None, help="Prometheus metrics HTTP port (0: pick one)")
+    g.add_argument("--http-port", type=port_number, default=None, help="OpenAI-compatible HTTP port (0: pick one)")
     g.add_argument("--served-model-name", default=None, help="model name for clients (default: engine dir name)")
     g.add_argument("--api-key", default=None, help=f"require this key from clients (default: ${API_KEY_ENV})")
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")

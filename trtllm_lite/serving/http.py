@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_protocol as oa
 from .engine_service import Accumulator, EngineService, classify, position_logprobs
@@ -128,6 +129,7 @@ class OpenAIServer:
         self.service = service
         app = FastAPI(title="trtllm-lite", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(RequestValidationError, self._invalid)
+        app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_middleware(Guard, service=service, api_key=api_key)
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics)
@@ -144,6 +146,13 @@ class OpenAIServer:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}"
         return JSONResponse(oa.error_body(400, message, loc[-1] if loc else None), status_code=400)
+
+    @staticmethod
+    async def _http_error(request, exc: StarletteHTTPException):
+        """Unknown route (404), wrong method (405), ...: the OpenAI error shape too."""
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(oa.error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.service.model_name:

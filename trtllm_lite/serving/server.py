@@ -164,7 +164,10 @@ class Server:
         reflection.enable_server_reflection(names, server)
         address = f"{c.host}:{c.port}" if ":" not in c.host else f"[{c.host}]:{c.port}"
         creds = _credentials(c)
-        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+        try:
+            port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+        except RuntimeError as e:       # grpc: "Failed to bind to address ..."
+            raise OSError(f"cannot listen on {address} for gRPC (port in use?): {e}") from None
         await server.start()
         self.grpc_server = server
         self.addresses["grpc"] = f"{c.host}:{port}"
