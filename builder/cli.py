@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .build import BACKENDS, BuildConfig, build_engine
 from .quantize import QUANTIZATIONS
@@ -47,5 +48,7 @@ def run(args: argparse.Namespace) -> int:
                          quant_block_size=args.quant_block_size,
                          quant_symmetric=not args.quant_asymmetric,
                          quantize_lm_head=args.quantize_lm_head, accuracy_level=args.accuracy_level)
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output!r} exists and is not a directory")
     build_engine(args.model, args.output, config)
     return 0

@@ -56,6 +56,13 @@ def copy_engine(src, dst):
     return dst
 
 
+def test_engine_path_that_is_a_file(tmp_path):
+    f = tmp_path / "engine.txt"
+    f.write_text("not an engine")
+    with pytest.raises(EngineError, match="is a file, not a directory"):
+        LLM(str(f))
+
+
 def test_missing_engine_dir(tmp_path):
     with pytest.raises(EngineError, match="does not exist"):
         LLM(str(tmp_path / "nope"))

@@ -158,7 +158,18 @@ def test_error_statuses(server, oai, body, status, param):
 def test_bad_json_is_400(server):
     r = httpx.post(f"http://{server.http}/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "error" in r.json()
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    assert "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_wrong_type_names_the_parameter_not_pydantic_internals(server):
+    r = httpx.post(f"http://{server.http}/v1/completions", timeout=30,
+                   json={"model": "smollm2", "prompt": "Hi", "stop": 5})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "stop" and err["message"].startswith("stop: ")
+    r = httpx.post(f"http://{server.http}/v1/completions", timeout=30,
+                   json={"model": "smollm2", "prompt": "Hi", "max_tokens": 10 ** 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def test_unknown_route_and_wrong_method_use_the_openai_error_shape(server):

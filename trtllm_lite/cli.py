@@ -1,4 +1,4 @@
-"""``trtllm-lite`` command line.
+"""trtllm-lite command line: build engines, generate, serve, benchmark.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; a module that is not installed (e.g. the builder without its extra)

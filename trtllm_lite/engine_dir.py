@@ -67,6 +67,8 @@ def load_engine_dir(path: str, verify_checksums: bool = True,
             a file is missing or fails its sha256 (the message names the file).
     """
     manifest_path = os.path.join(path, MANIFEST)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise EngineError(f"engine directory {path!r} is a file, not a directory")
     if not os.path.isdir(path):
         raise EngineError(f"engine directory {path!r} does not exist (build one with `trtllm-lite build`)")
     if not os.path.isfile(manifest_path):

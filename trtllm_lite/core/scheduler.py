@@ -63,10 +63,10 @@ class Scheduler:
         c = self.config
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if total > c.max_seq_len:
-            raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
-                             f"({seq.params.max_tokens}) = {total} exceeds max_seq_len {c.max_seq_len}")
+            raise ValueError(f"max_tokens ({seq.params.max_tokens}) + prompt ({seq.num_prompt_tokens} "
+                             f"tokens) = {total} exceeds max_seq_len {c.max_seq_len}")
         if blocks_for(total, self.kv.block_size) > self.kv.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens needs more KV blocks than the "
+            raise ValueError(f"max_tokens + prompt = {total} tokens needs more KV blocks than the "
                              f"whole pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
         if not c.enable_chunked_prefill and total > c.max_num_batched_tokens:
             raise ValueError(f"prompt + max_tokens = {total} exceeds max_num_batched_tokens "

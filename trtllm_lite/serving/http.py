@@ -143,9 +143,17 @@ class OpenAIServer:
     @staticmethod
     async def _invalid(request, exc: RequestValidationError):
         err = (exc.errors() or [{}])[0]
+        msg = err.get("msg", "invalid request")
+        if err.get("type") == "json_invalid":
+            loc = [x for x in err.get("loc", ()) if x != "body"]
+            at = f" at character {loc[0]}" if loc else ""
+            return JSONResponse(oa.error_body(400, f"the body is not valid JSON{at}: {msg}"), status_code=400)
+        # loc is (body, field, [index | nested field | pydantic's union member tag]...): the
+        # top-level field is the parameter; a union member tag ("str", "list[str]") is dropped
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}"
-        return JSONResponse(oa.error_body(400, message, loc[-1] if loc else None), status_code=400)
+        path = [loc[0]] + [x for x in loc[1:] if x.isdigit() or x in oa.FIELD_NAMES] if loc else []
+        message = f"{'.'.join(path) or 'body'}: {msg}"
+        return JSONResponse(oa.error_body(400, message, loc[0] if loc else None), status_code=400)
 
     @staticmethod
     async def _http_error(request, exc: StarletteHTTPException):
@@ -404,7 +412,12 @@ class HttpFrontEnd:
         family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((c.host, c.http_port))
+        try:
+            sock.bind((c.host, c.http_port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"cannot listen on {c.host}:{c.http_port} for HTTP (--http-port in use?): "
+                          f"{e.strerror}") from None
         sock.set_inheritable(True)
         self.task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
         while not self.server.started:

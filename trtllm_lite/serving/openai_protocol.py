@@ -173,3 +173,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+# every request field name: what an error's location path may name (pydantic also puts the
+# union member it tried, e.g. "str", in the path; those are not parameters)
+FIELD_NAMES = frozenset().union(*(m.model_fields for m in (
+    StreamOptions, CompletionRequest, ContentPart, ChatMessage, ChatCompletionRequest,
+    TokenizeRequest, DetokenizeRequest)))

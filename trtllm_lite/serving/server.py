@@ -167,7 +167,7 @@ class Server:
         try:
             port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
         except RuntimeError as e:       # grpc: "Failed to bind to address ..."
-            raise OSError(f"cannot listen on {address} for gRPC (port in use?): {e}") from None
+            raise OSError(f"cannot listen on {address} for gRPC (--port in use?): {e}") from None
         await server.start()
         self.grpc_server = server
         self.addresses["grpc"] = f"{c.host}:{port}"
@@ -176,7 +176,11 @@ class Server:
         if c.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            self._metrics_http, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
+            try:
+                self._metrics_http, _ = start_http_server(c.metrics_port, addr=c.host, registry=self.metrics.registry)
+            except OSError as e:
+                raise OSError(f"cannot listen on {c.host}:{c.metrics_port} for metrics (--metrics-port in use?): "
+                              f"{e.strerror}") from None
             self.addresses["metrics"] = f"{c.host}:{self._metrics_http.server_address[1]}"
         if c.http_port is not None:
             from .http import HttpFrontEnd
