@@ -172,6 +172,21 @@ def test_wrong_type_names_the_parameter_not_pydantic_internals(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+def test_cache_salt_shares_prefix_blocks_only_within_a_salt(server):
+    prompt = "Paged attention keeps the cache in fixed-size blocks shared between requests. " * 3
+    url = f"http://{server.http}/v1/completions"
+
+    def cached(**extra):
+        r = httpx.post(url, timeout=60, json={"model": "smollm2", "prompt": prompt, "max_tokens": 1, **extra})
+        assert r.status_code == 200
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(cache_salt="tenant-a")
+    assert cached(cache_salt="tenant-a") >= 16          # at least one full block reused
+    assert cached(cache_salt="tenant-b") == 0           # another salt: nothing shared
+    assert cached() == 0                                 # no salt is its own space
+
+
 def test_unknown_route_and_wrong_method_use_the_openai_error_shape(server):
     missing = httpx.post(f"http://{server.http}/v1/embeddings", json={}, timeout=30)
     wrong = httpx.get(f"http://{server.http}/v1/completions", timeout=30)

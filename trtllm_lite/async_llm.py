@@ -154,12 +154,13 @@ class AsyncLLM:
 
     # -- public API -----------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, timeout: float | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, timeout: float | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield delta :class:`RequestOutput`s (new text and token ids) until ``finished``.
 
         Args:
             timeout: seconds from now until the request is aborted (None: no deadline).
+            cache_salt: prefix-cache blocks are shared only with requests of the same salt.
 
         Raises:
             ValueError / TypeError: bad input, before anything is queued (the message names
@@ -177,7 +178,7 @@ class AsyncLLM:
         if not self.accepting:
             raise ShuttingDownError("the engine is shutting down and accepts no new requests")
         deadline = None if timeout is None else time.monotonic() + timeout
-        request = self.engine.make_request(prompt, sampling_params, request_id or uuid.uuid4().hex)
+        request = self.engine.make_request(prompt, sampling_params, request_id or uuid.uuid4().hex, cache_salt)
         rid = request.request_id
         if rid in self._streams or rid in self._aborting:
             raise ValueError(f"request_id {rid!r} is already in use")

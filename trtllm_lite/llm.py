@@ -19,9 +19,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 *, cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate for ``prompts`` (a str, a list of token ids, or a list of either).
+
+        ``cache_salt`` (vLLM's name): prefix-cache blocks are shared only between requests
+        with the same salt (e.g. one per tenant), so timing cannot reveal another's prompt.
 
         Returns one cumulative :class:`RequestOutput` per prompt, in input order. Every prompt
         is validated before any runs; a bad one raises ``ValueError`` / ``TypeError`` naming
@@ -36,7 +39,7 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        requests = [self.engine.make_request(p, sp, cache_salt=cache_salt) for p, sp in zip(prompts, sampling_params)]
         added = []
         try:
             for request in requests:

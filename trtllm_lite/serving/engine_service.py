@@ -150,7 +150,8 @@ class EngineService:
         return min(limits) if limits else None
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+                       timeout: float | None = None, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """``AsyncLLM.generate`` with metrics; same deltas, same exceptions.
 
         Close it (``contextlib.aclosing``) or cancel its consumer to abort the request.
@@ -159,7 +160,8 @@ class EngineService:
         last_token_time = None
         acc = Accumulator()
         try:
-            gen = self.llm.generate(prompt, params, request_id, timeout=self.timeout(timeout))
+            gen = self.llm.generate(prompt, params, request_id, timeout=self.timeout(timeout),
+                                    cache_salt=cache_salt)
             async with aclosing(gen):
                 async for out in gen:
                     now = time.monotonic()
@@ -183,10 +185,10 @@ class EngineService:
                 self.metrics.record_failed(outcome)
 
     async def generate_all(self, prompt, params: SamplingParams, request_id: str | None = None,
-                           timeout: float | None = None) -> Accumulator:
+                           timeout: float | None = None, cache_salt: str | None = None) -> Accumulator:
         """Run a request to the end; return its accumulated result."""
         acc = Accumulator()
-        async with aclosing(self.generate(prompt, params, request_id, timeout)) as gen:
+        async with aclosing(self.generate(prompt, params, request_id, timeout, cache_salt)) as gen:
             async for out in gen:
                 acc.add(out)
         return acc

@@ -204,10 +204,10 @@ class OpenAIServer:
             return error_response(e)
 
     # -- generation -----------------------------------------------------------------------
-    async def _start(self, prompts: list, params, rid: str):
+    async def _start(self, prompts: list, params, rid: str, cache_salt: str | None):
         """Start one request per prompt and wait for each one's first delta, so that bad
         input, a full queue or a shutdown is an HTTP error before any byte is streamed."""
-        gens = [self.service.generate(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+        gens = [self.service.generate(p, params, f"{rid}-{i}", cache_salt=cache_salt) for i, p in enumerate(prompts)]
         tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
         try:
             firsts = await asyncio.gather(*tasks)
@@ -225,12 +225,13 @@ class OpenAIServer:
         created = int(time.time())
         fmt = ResponseFormat(self.service, body, kind, rid, created, params.n, prompt_texts)
         if body.stream:
-            gens, firsts = await self._start(prompts, params, rid)
+            gens, firsts = await self._start(prompts, params, rid, body.cache_salt)
             return StreamingResponse(fmt.stream(gens, firsts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
         async def run_all():
-            tasks = [asyncio.ensure_future(self.service.generate_all(p, params, f"{rid}-{i}"))
+            tasks = [asyncio.ensure_future(self.service.generate_all(p, params, f"{rid}-{i}",
+                                                                      cache_salt=body.cache_salt))
                      for i, p in enumerate(prompts)]
             try:
                 return await asyncio.gather(*tasks)

@@ -22,6 +22,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+    cache_salt: str | None = None       # vLLM: prefix-cache blocks shared only within a salt
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
