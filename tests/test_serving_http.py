@@ -212,16 +212,16 @@ def test_models_health_metrics_tokenizer(server, smollm2_llm):
 
 
 def test_grpc_and_http_share_one_engine(server, grpc_client, smollm2_llm):
-    ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0]
+    ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=48, temperature=0.0))[0].outputs[0]
     got = {}
 
     def over_http():
         r = httpx.post(f"http://{server.http}/v1/completions", timeout=120,
-                       json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 10, "temperature": 0})
+                       json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 48, "temperature": 0})
         got["http"] = r.json()["choices"][0]["text"]
 
     def over_grpc():
-        got["grpc"] = grpc_client.complete(PROMPT, max_tokens=10, temperature=0.0).outputs[0].text
+        got["grpc"] = grpc_client.complete(PROMPT, max_tokens=48, temperature=0.0).outputs[0].text
 
     running = []
     threads = [threading.Thread(target=over_http), threading.Thread(target=over_grpc)]
