@@ -135,3 +135,11 @@ def test_serve_cli_rejects_a_bad_port_and_reports_a_busy_one(smollm2_engine):
         busy.listen()
         taken = run("--port", "0", "--http-port", str(busy.getsockname()[1]))
     assert taken.returncode == 1 and "error:" in taken.stderr and "Traceback" not in taken.stderr
+
+
+@pytest.mark.parametrize("salt, error", [(3, TypeError), ("", ValueError)])
+def test_bad_cache_salt_names_it(smollm2_llm, salt, error):
+    with pytest.raises(error, match="cache_salt"):
+        smollm2_llm.generate("Hi", SamplingParams(max_tokens=1), cache_salt=salt)
+    with pytest.raises(error, match="cache_salt"):
+        smollm2_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), cache_salt=salt)

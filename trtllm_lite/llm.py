@@ -54,14 +54,14 @@ class LLM:
         return [self.engine.final_output(r) for r in requests]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, *, cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (list of ``{"role", "content"}``) or a list
-        of them, through the model's chat template."""
+        of them, through the model's chat template (``cache_salt`` as in :meth:`generate`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt)
                    if self.engine.tokenizer else _no_tokenizer() for c in conversations]
         ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outs = self.generate(ids, sampling_params)
+        outs = self.generate(ids, sampling_params, cache_salt=cache_salt)
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt
         return outs

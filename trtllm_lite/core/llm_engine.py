@@ -179,6 +179,8 @@ class LLMEngine:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs})")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError("cache_salt must be a string")
+        if cache_salt == "":      # as vLLM: an empty salt would silently share the unsalted space
+            raise ValueError("cache_salt must be a non-empty string if given")
         ids = self.tokenize_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
