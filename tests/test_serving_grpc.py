@@ -92,6 +92,16 @@ def test_stream_equals_unary_equals_llm(client, smollm2_llm):
     assert 0 < last.timing.ttft_ms <= last.timing.e2e_ms
 
 
+def test_cache_salt_isolates_prefix_cache(client):
+    prompt = "A salted prompt: blocks of the prefix cache are shared only within one salt. " * 3
+    cached = lambda **kw: client.complete(prompt, max_tokens=1, **kw).usage.cached_tokens  # noqa: E731
+    cached(cache_salt="grpc-a")
+    assert cached(cache_salt="grpc-a") >= 16 and cached(cache_salt="grpc-b") == 0
+    with pytest.raises(grpc.RpcError) as e:
+        cached(cache_salt="")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in e.value.details()
+
+
 def test_token_id_prompt_and_length_finish(client, smollm2_llm):
     ids = smollm2_llm.tokenizer.encode("Once upon a time")
     ref = smollm2_llm.generate(ids, SamplingParams(**greedy(5)))[0].outputs[0]

@@ -23,10 +23,13 @@ _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_messa
 
 
 def make_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
-                 stream: bool = True, request_id: str = "", **sampling) -> pb.GenerateRequest:
+                 stream: bool = True, request_id: str = "", cache_salt: str | None = None,
+                 **sampling) -> pb.GenerateRequest:
     """A ``GenerateRequest``: ``prompt`` as text or token ids, or chat ``messages``
-    (``[{"role", "content"}]``); ``sampling`` as vLLM ``SamplingParams`` keyword arguments."""
-    req = pb.GenerateRequest(request_id=request_id, stream=stream, sampling_params=sampling_message(**sampling))
+    (``[{"role", "content"}]``); ``cache_salt`` isolates the request's prefix cache;
+    ``sampling`` as vLLM ``SamplingParams`` keyword arguments."""
+    req = pb.GenerateRequest(request_id=request_id, stream=stream, sampling_params=sampling_message(**sampling),
+                             cache_salt=cache_salt)
     if messages is not None:
         req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     elif isinstance(prompt, str):

@@ -109,7 +109,8 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         acc = Accumulator()
         first = True
         try:
-            async for out in self.service.generate(prompt, params, rid, context.time_remaining()):
+            salt = request.cache_salt if request.HasField("cache_salt") else None
+            async for out in self.service.generate(prompt, params, rid, context.time_remaining(), salt):
                 acc.add(out)
                 if not request.stream and not out.finished:
                     continue
