@@ -15,7 +15,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--engine", required=True, help="engine directory (trtllm-lite build)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: build value)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: build value)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: the build value; on the CPU backend at most 512)")
     g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: build value)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="K and V pool memory (bytes)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")

@@ -34,7 +34,7 @@ class Option:
 #: Parameters passed to ``LLMEngine`` (same names as ``trtllm-lite generate`` / ``serve``).
 ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("max_num_seqs", int, "most sequences in one step (default: the engine's build value)"),
-    Option("max_num_batched_tokens", int, "token budget of one step (default: build value)"),
+    Option("max_num_batched_tokens", int, "token budget of one step (default: build value; CPU backend at most 512)"),
     Option("max_seq_len", int, "prompt + output tokens at most (default: build value)"),
     Option("kv_cache_memory_bytes", int, "bytes for the K and V pools (default 1 GiB, capped)"),
     Option("num_kv_blocks", int, "KV pool size in blocks (overrides kv_cache_memory_bytes)"),
