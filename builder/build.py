@@ -31,7 +31,8 @@ class BuildConfig:
     Weight-only quantization (:mod:`builder.quantize`): ``quantization`` ``none`` / ``int8`` /
     ``int4``; ``quant_block_size`` weights per scale; ``quant_symmetric`` (else an integer
     zero point per block); ``quantize_lm_head`` (``None``: only when the GGUF stores the
-    lm_head / tied embedding quantized, mapped exactly; ``False``: float32; ``True``: always); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations,
+    lm_head / tied embedding quantized, mapped exactly; ``False``: float32; ``True``:
+    always); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations,
     the default; 4: int8 activations, faster, changes results; the runtime can switch).
     """
 

@@ -40,6 +40,10 @@ from dataclasses import dataclass
 from trtllm_lite.runners.tensorrt_runner import (  # noqa: F401  (TensorRTUnavailable: re-exported)
     TensorRTUnavailable, import_tensorrt, register_plugin)
 
+from .paged_attention import INPUT_NAMES, METADATA_NAMES
+
+_ATTN_BIAS = len(INPUT_NAMES) + METADATA_NAMES.index("attn_bias")   # PagedAttention input index
+
 PLAN_FILE = "model.plan"
 PROFILES = ("prefill", "decode")
 PRECISIONS = {"tensorrt": ("float16", "bfloat16"), "tensorrt-rtx": ("float32", "float16", "bfloat16")}
@@ -147,15 +151,6 @@ def mixed_precision(model, dtype: str):
     for function in out.functions:
         _type_generic(function)
     return out
-
-
-def _attn_bias_index() -> int:
-    from .paged_attention import INPUT_NAMES, METADATA_NAMES
-
-    return len(INPUT_NAMES) + METADATA_NAMES.index("attn_bias")
-
-
-_ATTN_BIAS = _attn_bias_index()
 
 
 def _type_generic(function) -> None:

@@ -131,7 +131,7 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
     qsl_hi = w.op("Slice", qsl, one, i64([2**62]))                  # [S]
     qlens = w.op("Sub", qsl_hi, qsl_lo)                             # [S]
     qmax = w.op("ReduceMax", qlens, keepdims=1)                     # [1] = Q
-    j = w.op("Range", zero_s, w.op("Squeeze", qmax, zero), one_s)         # [Q]
+    j = w.op("Range", zero_s, w.op("Squeeze", qmax, zero), one_s)   # [Q]
     last = w.op("Sub", w.op("Unsqueeze", qlens, one), one)          # [S, 1]
     pad_index = w.op("Add", w.op("Unsqueeze", qsl_lo, one),
                      w.op("Min", w.op("Unsqueeze", j, zero), last))  # [S, Q]
@@ -143,7 +143,7 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
     # mask [S, Q, L]: cached position l valid if l < ctx_s; new j' valid if j' <= j
     num_seqs = w.op("Shape", ctx)                                   # [1] = S
     lc = w.op("Mul", ctx_blocks, block_size)                        # [1]
-    lpos = w.op("Range", zero_s, w.op("Squeeze", lc, zero), one_s)        # [Lc]
+    lpos = w.op("Range", zero_s, w.op("Squeeze", lc, zero), one_s)  # [Lc]
     ctx_ok = w.op("Less", w.op("Unsqueeze", lpos, zero), w.op("Unsqueeze", ctx, one))  # [S, Lc]
     ctx_ok = w.op("Expand", w.op("Unsqueeze", ctx_ok, one), w.op("Concat", num_seqs, qmax, lc, axis=0))
     new_ok = w.op("LessOrEqual", w.op("Unsqueeze", j, zero), w.op("Unsqueeze", j, one))  # [Q, Q]
@@ -155,7 +155,7 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
 
     # unpad: token t of sequence s -> s * Q + (t - qsl[s])
     num_tokens = w.op("Slice", qsl, neg1, i64([2**62]))             # [1] = T
-    t = w.op("Range", zero_s, w.op("Squeeze", num_tokens, zero), one_s)   # [T]
+    t = w.op("Range", zero_s, w.op("Squeeze", num_tokens, zero), one_s)  # [T]
     seq_of_t = w.op("ReduceSum", w.op("Cast", w.op("GreaterOrEqual", w.op("Unsqueeze", t, one),
                                                     w.op("Unsqueeze", qsl_hi, zero)), to=onnx.TensorProto.INT64),
                     one, keepdims=0)                                # [T]
@@ -230,7 +230,7 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
         opset: default-domain opset of the body (default :data:`~builder.onnx_graph.OPSET`).
         heads: ``(num_heads, num_kv_heads, head_dim)`` known at export: the function then
             takes the metadata inputs 9-12 (:func:`write_attention_metadata`, written once in
-            the graph) and its reshapes use constants, so a layer's attention is about 25
+            the graph) and its reshapes use constants, so a layer's attention is about 30
             ops. ``None``: the self-contained 9-input body (computes its own metadata and
             reads the sizes from the inputs' shapes).
     """

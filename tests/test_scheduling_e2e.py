@@ -152,3 +152,30 @@ def test_prompt_larger_than_pool_is_refused(configure):
     engine = configure(num_blocks=4)
     with pytest.raises(ValueError, match="whole pool"):
         engine.add_request(token_prompts([60])[0], GREEDY)
+
+
+def test_cpu_token_budget_default_and_overrides(smollm2_llm, smollm2_engine):
+    """The CPU backend's budget defaults to 512 (engine built with 1024): a 700-token prompt
+    takes two prefill steps; without chunked prefill the build value stays, so it fits one."""
+    from trtllm_lite.core.llm_engine import CPU_MAX_NUM_BATCHED_TOKENS, LLMEngine
+
+    engine = smollm2_llm.engine
+    assert engine.engine.build["max_num_batched_tokens"] == 1024
+    assert engine.scheduler_config.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS == 512
+    prompt = list(np.random.default_rng(7).integers(1000, 40000, 700))
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def steps_to_finish(e):
+        e.add_request(prompt, params)
+        steps = 0
+        while e.has_unfinished_requests():
+            e.step()
+            steps += 1
+        assert e.kv.pool.num_used == 0
+        return steps
+
+    assert steps_to_finish(engine) == 2
+    whole = LLMEngine(smollm2_engine, num_kv_blocks=64, verify_checksums=False,
+                      enable_chunked_prefill=False, enable_prefix_caching=False)
+    assert whole.scheduler_config.max_num_batched_tokens == 1024
+    assert steps_to_finish(whole) == 1
