@@ -172,6 +172,23 @@ def test_wrong_type_names_the_parameter_not_pydantic_internals(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+@pytest.mark.parametrize("route, extra, param", [
+    ("completions", {"max_tokens": True}, "max_tokens"),        # JSON true is not 1
+    ("completions", {"temperature": True}, "temperature"),
+    ("completions", {"stream": "yes"}, "stream"),
+    ("completions", {"prompt": [True, 2]}, "prompt"),
+    ("chat/completions", {"n": True}, "n"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, "messages"),   # no content
+])
+def test_wrong_json_types_are_400_not_coerced(server, route, extra, param):
+    body = {"model": "smollm2", "max_tokens": 2, **({"prompt": "Hi"} if route == "completions" else
+                                                   {"messages": [{"role": "user", "content": "Hi"}]}), **extra}
+    r = httpx.post(f"http://{server.http}/v1/{route}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
 def test_cache_salt_shares_prefix_blocks_only_within_a_salt(server):
     prompt = "Paged attention keeps the cache in fixed-size blocks shared between requests. " * 3
     url = f"http://{server.http}/v1/completions"

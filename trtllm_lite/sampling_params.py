@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+MAX_LOGPROBS = 20   # top-N log-probabilities per position, at most (vLLM's default cap)
+
 
 @dataclass
 class SamplingParams:
@@ -113,8 +115,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not is_int(v) or not 0 <= v <= 20):
-                bad(name, "must be an integer in [0, 20]")
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", "must be a dict {token_id: bias}")

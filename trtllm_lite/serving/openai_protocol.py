@@ -10,8 +10,12 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..sampling_params import MAX_LOGPROBS
 
+
+# strict: a wrong JSON type is a 400 naming the field (true is not 1, "yes" is not true)
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -19,7 +23,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     cache_salt: str | None = None       # vLLM: prefix-cache blocks shared only within a salt
@@ -95,13 +99,13 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: Union[str, list[ContentPart], None] = None
 
@@ -139,16 +143,21 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("response_format: only {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return dict(self.common_values(), max_tokens=max_tokens if max_tokens is not None else max(room, 1),
                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
     def message_dicts(self) -> list[dict[str, str]]:
+        for i, m in enumerate(self.messages):
+            if m.content is None and m.role != "assistant":
+                raise ValueError(f"messages: message {i} (role {m.role!r}) has no content")
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -157,7 +166,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     tokens: list[int]
 
