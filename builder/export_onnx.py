@@ -89,10 +89,11 @@ class DecoderGraphWriter:
 
     def __init__(self, config: ModelConfig, weights: WeightStore, max_seq_len: int, kind: str,
                  quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0,
-                 kv_write: str = "runtime"):
+                 kv_write: str = "runtime", decode_path: bool = False):
         if kv_write not in KV_WRITES:
             raise ValueError(f"kv_write must be one of {KV_WRITES}, got {kv_write!r}")
         self.kv_write = kv_write
+        self.decode_path = decode_path and kv_write == "runtime"
         self.c, self.weights, self.kind = config, weights, kind
         self.quantized, self.accuracy_level = quantized or {}, accuracy_level
         self.max_seq_len = max_seq_len
@@ -207,8 +208,9 @@ class DecoderGraphWriter:
             cos, sin = self.rope_tables()
         if self.kv_write == "runtime":     # the TensorRT plugin's node keeps the 9 inputs
             block_size = w.op("Shape", "key_cache.0", start=1, end=2)
-            self.metadata = write_attention_metadata(w, *GRAPH_INPUTS[3:], block_size,
-                                                     w.const([c.num_heads // c.num_kv_heads]))
+            self.metadata = write_attention_metadata(
+                w, *GRAPH_INPUTS[3:], block_size, w.const([c.num_heads // c.num_kv_heads]),
+                (c.num_heads, c.num_kv_heads) if self.decode_path else None)
         new_keys, new_values = [], []
         for i in range(c.num_layers):
             attn, k, v = self.attention(i, self.norm(x, f"layers.{i}.attn_norm"), cos, sin)
@@ -254,7 +256,8 @@ class DecoderGraphWriter:
         opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)]
         if self.quantized:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-        function = (make_onnx_function(heads=(c.num_heads, c.num_kv_heads, c.head_dim))
+        function = (make_onnx_function(heads=(c.num_heads, c.num_kv_heads, c.head_dim),
+                                       decode_path=self.decode_path)
                     if self.kv_write == "runtime" else in_op_function())
         model = helper.make_model(graph, opset_imports=opsets, functions=[function],
                                   producer_name="trtllm-lite")
@@ -273,7 +276,8 @@ def add_rope_tables(config: ModelConfig, weights: WeightStore, max_seq_len: int)
 
 def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_len: int,
                   quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0,
-                  kv_write: str = "runtime") -> tuple[dict[str, onnx.ModelProto], WeightStore]:
+                  kv_write: str = "runtime", decode_path: bool = False
+                  ) -> tuple[dict[str, onnx.ModelProto], WeightStore]:
     """Build the prefill and decode graphs over one weight store.
 
     Args:
@@ -286,6 +290,8 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
             4: int8 activations).
         kv_write: ``"runtime"`` (graphs return ``new_keys``/``new_values``; ONNX Runtime,
             TensorRT-RTX) or ``"in_op"`` (the op writes the pools; TensorRT), module docstring.
+        decode_path: give the PagedAttention body its decode path (all sequences one token;
+            :func:`~builder.paged_attention.make_onnx_function`); the ONNX Runtime backend's.
     Returns:
         ``({"prefill": model, "decode": model}, store)``; write the store with ``store.write``.
     """
@@ -303,6 +309,6 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
         raise ValueError(f"max_seq_len {max_seq_len} exceeds GPT-2's learned positions "
                          f"({config.max_position_embeddings})")
     graphs = {kind: DecoderGraphWriter(config, store, max_seq_len, kind, quantized, accuracy_level,
-                                       kv_write).build()
+                                       kv_write, decode_path).build()
               for kind in ("prefill", "decode")}
     return graphs, store

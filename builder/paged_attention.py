@@ -15,9 +15,10 @@ Schema (domain ``trtllm_lite``, version 1)::
       6 block_tables     [num_seqs, max_blocks_per_seq]   int64  logical -> physical block
       7 context_lens     [num_seqs]                       int64  tokens already cached before the step
       8 query_start_loc  [num_seqs + 1]                   int64  packed offsets of each sequence's tokens
-      9-12 (optional) the step's attention metadata, shared by every layer (like vLLM's
+      9-13 (optional) the step's attention metadata, shared by every layer (like vLLM's
            ``AttentionMetadata``): ``pad_index``, ``unpad_index``, ``ctx_block_ids``,
-           ``attn_bias``, all functions of inputs 6-8 (:func:`write_attention_metadata`)
+           ``attn_bias`` and (for the decode path) ``decode_bias``, all functions of
+           inputs 6-8 (:func:`write_attention_metadata`)
     attributes
       num_heads, num_kv_heads (int), scale (float, usually head_dim ** -0.5)
     outputs
@@ -50,7 +51,7 @@ INPUT_NAMES = (
     "query", "key", "value", "key_cache", "value_cache",
     "slot_mapping", "block_tables", "context_lens", "query_start_loc",
 )
-METADATA_NAMES = ("pad_index", "unpad_index", "ctx_block_ids", "attn_bias")
+METADATA_NAMES = ("pad_index", "unpad_index", "ctx_block_ids", "attn_bias", "decode_bias")
 
 
 def write_kv_reference(key_cache: np.ndarray, value_cache: np.ndarray, key: np.ndarray,
@@ -102,7 +103,8 @@ def reference_paged_attention(query: np.ndarray, key: np.ndarray, value: np.ndar
 
 
 def write_attention_metadata(w, block_tables: str, context_lens: str, query_start_loc: str,
-                             block_size: str, group: str) -> tuple[str, str, str, str]:
+                             block_size: str, group: str, decode_heads: tuple[int, int] | None = None
+                             ) -> tuple[str, ...]:
     """Write the nodes that turn the step's block tables and offsets into attention metadata.
 
     Every layer's attention needs the same index and mask tensors; computed once per graph
@@ -117,8 +119,13 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
         attn_bias      [S, 1, G * Q, L]  float32  0 where row j of s sees position l (cached
                                          l < ctx_s; new l - Mc * B <= j), else -inf;
                                          rows g * Q + j repeat the Q rows for each of G heads
+        decode_bias    [S, H, (Mc * B + 1) * Hkv]  float32  (only with ``decode_heads``) the
+                                         decode path's bias over (position, KV head) pairs:
+                                         0 where query head h reads KV head h // G at a cached
+                                         position < ctx_s or at the new token (the last), else -inf
 
-    Returns the four tensor names in that order (:data:`METADATA_NAMES`).
+    ``decode_heads``: ``(num_heads, num_kv_heads)`` to also write ``decode_bias``.
+    Returns the tensor names in :data:`METADATA_NAMES` order (four without ``decode_heads``).
     """
     import onnx
 
@@ -160,7 +167,22 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
                                                     w.op("Unsqueeze", qsl_hi, zero)), to=onnx.TensorProto.INT64),
                     one, keepdims=0)                                # [T]
     unpad_index = w.op("Add", w.op("Mul", seq_of_t, qmax), w.op("Sub", t, w.op("Gather", qsl_lo, seq_of_t, axis=0)))
-    return pad_index, unpad_index, ctx_block_ids, attn_bias
+    if decode_heads is None:
+        return pad_index, unpad_index, ctx_block_ids, attn_bias
+
+    # decode_bias [S, H, (Lc + 1) * Hkv]: position l < ctx_s or l == Lc (the new token), and
+    # KV head k == h // G
+    num_heads, num_kv_heads = decode_heads
+    lpos1 = w.op("Range", zero_s, w.op("Squeeze", w.op("Add", lc, one), zero), one_s)   # [Lc + 1]
+    pos_ok = w.op("Or", w.op("Less", w.op("Unsqueeze", lpos1, zero), w.op("Unsqueeze", ctx, one)),
+                  w.op("Unsqueeze", w.op("Equal", lpos1, lc), zero))               # [S, Lc + 1]
+    group_size = num_heads // num_kv_heads
+    head_ok = w.const(np.arange(num_heads)[:, None] // group_size == np.arange(num_kv_heads)[None, :],
+                      np.bool_)                                                    # [H, Hkv]
+    ok = w.op("And", w.op("Unsqueeze", pos_ok, i64([1, 3])), w.op("Unsqueeze", head_ok, i64([0, 2])))
+    decode_bias = w.op("Reshape", w.op("Where", ok, w.const(0.0, np.float32), w.const(-np.inf, np.float32)),
+                       i64([0, 0, -1]))                                            # [S, H, L * Hkv]
+    return pad_index, unpad_index, ctx_block_ids, attn_bias, decode_bias
 
 
 def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str) -> None:
@@ -202,6 +224,43 @@ def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str
     w.op("Gather", o_pad, unpad_index, axis=0, outputs=[output])
 
 
+def _write_decode_attention(w, q, k, v, kc, vc, ctx_block_ids: str, decode_bias: str, head_dim: str,
+                            scale: str, output: str) -> None:
+    """The decode path: every sequence computes one token (``T == S``), the common step.
+
+    The gathered blocks stay in the pool's layout, ``[S, Lc * Hkv, D]`` (position-major,
+    KV heads inside), and every query head scores against every (position, KV head) row;
+    ``decode_bias`` (-inf off the head's own KV head and past the context) drops the others.
+    That spends ``Hkv`` times the attention FLOPs (small at decode: one query row per head)
+    to read the context once, with no transpose, no padding and no K/V concat: at batch 64
+    the general path's gather, transposes and concat moved the KV 6-7 times per layer.
+    The new token's K/V score and weigh as a separate ``[S, Hkv, D]`` term::
+
+        scores = [q * scale @ K_ctx^T | q * scale @ k^T] + decode_bias    [S, H, (Lc + 1) * Hkv]
+        out    = softmax(scores)[:, :, :Lc * Hkv] @ V_ctx + softmax(...)[:, :, Lc * Hkv:] @ v
+    """
+    rows = w.op("Concat", w.const([0, -1]), head_dim, axis=0)
+    k_ctx = w.op("Reshape", w.op("Gather", kc, ctx_block_ids, axis=0), rows)        # [S, Lc*Hkv, D]
+    v_ctx = w.op("Reshape", w.op("Gather", vc, ctx_block_ids, axis=0), rows)
+    q_scaled = w.op("Mul", q, scale)                                                # [S, H, D]
+    transposed = lambda x: w.op("Transpose", x, perm=[0, 2, 1])  # noqa: E731  (folds into the MatMul)
+    scores = w.op("Concat", w.op("MatMul", q_scaled, transposed(k_ctx)),
+                  w.op("MatMul", q_scaled, transposed(k)), axis=2)                  # [S, H, (Lc+1)*Hkv]
+    probs = w.op("Softmax", w.op("Add", scores, decode_bias), axis=-1)
+    sizes = w.op("Concat", w.op("Shape", k_ctx, start=1, end=2), w.op("Shape", k, start=1, end=2), axis=0)
+    p_ctx, p_new = w.op("Split", probs, sizes, axis=2, outputs=2)
+    w.op("Add", w.op("MatMul", p_ctx, v_ctx), w.op("MatMul", p_new, v), outputs=[output])
+
+
+def _branch(writer, name: str, output: str):
+    """An ``If`` branch graph from a writer's nodes (values of the enclosing scope are read
+    by name)."""
+    from onnx import TensorProto, helper
+
+    return helper.make_graph(writer.nodes, name, [],
+                             [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)])
+
+
 def _scale_constant(w) -> str:
     """A ``Constant`` node whose float value is the function's ``scale`` attribute."""
     from onnx import AttributeProto
@@ -212,7 +271,8 @@ def _scale_constant(w) -> str:
     return scale
 
 
-def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | None = None):
+def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | None = None,
+                       decode_path: bool = False):
     """The op as a model-local ONNX function whose body uses standard ops only.
 
     ONNX Runtime and TensorRT-RTX inline this body. Layout inside (S sequences, Q the
@@ -233,6 +293,10 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
             the graph) and its reshapes use constants, so a layer's attention is about 30
             ops. ``None``: the self-contained 9-input body (computes its own metadata and
             reads the sizes from the inputs' shapes).
+        decode_path: with ``heads``, also take ``decode_bias`` (input 13) and run
+            :func:`_write_decode_attention` when every sequence computes one token (an ``If``
+            on ``T == S``); other steps take the general body. For ONNX Runtime's float32
+            graphs (measured there).
     """
     from onnx import helper
 
@@ -248,12 +312,23 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
         dims["group"] = w.op("Div", dims["heads"], kv_heads)
         metadata = write_attention_metadata(w, bt, ctx, qsl, w.op("Shape", kc, start=1, end=2), dims["group"])
     else:
-        inputs = list(INPUT_NAMES + METADATA_NAMES)
+        inputs = list(INPUT_NAMES + METADATA_NAMES[:5 if decode_path else 4])
         num_heads, num_kv_heads, head_dim = heads
         dims = {"heads": w.const([num_heads]), "kv_heads": w.const([num_kv_heads]),
                 "group": w.const([num_heads // num_kv_heads]), "head_dim": w.const([head_dim])}
-        metadata = METADATA_NAMES
-    _write_attention(w, q, k, v, kc, vc, metadata, dims, _scale_constant(w), "output")
+        metadata = METADATA_NAMES[:4]
+    scale = _scale_constant(w)
+    if heads is None or not decode_path:
+        _write_attention(w, q, k, v, kc, vc, metadata, dims, scale, "output")
+    else:
+        general, decode = NodeWriter("pa_gen_"), NodeWriter("pa_dec_")
+        _write_attention(general, q, k, v, kc, vc, metadata, dims, scale, "pa_gen_output")
+        _write_decode_attention(decode, q, k, v, kc, vc, "ctx_block_ids", "decode_bias",
+                                dims["head_dim"], scale, "pa_dec_output")
+        one_token_each = w.op("Equal", w.op("Shape", q, start=0, end=1), w.op("Shape", ctx))  # T == S
+        w.op("If", one_token_each, outputs=["output"],
+             then_branch=_branch(decode, "decode", "pa_dec_output"),
+             else_branch=_branch(general, "general", "pa_gen_output"))
     return helper.make_function(
         DOMAIN, OP_TYPE, inputs, ["output"], w.nodes,
         [helper.make_opsetid("", opset or OPSET)],

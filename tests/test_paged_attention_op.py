@@ -11,9 +11,10 @@ from builder.paged_attention import (DOMAIN, INPUT_NAMES, METADATA_NAMES, OP_TYP
                                      write_kv_reference)
 
 
-def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False):
+def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_path=False):
     """One PagedAttention node; ``metadata``: fed by the metadata nodes written once in the
-    graph (the engines' form) instead of the self-contained body."""
+    graph (the engines' form) instead of the self-contained body; ``decode_path``: with the
+    ONNX Runtime engines' decode path (taken when every sequence has one new token)."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     dims = {"query": (f32, ["T", num_heads, head_dim]), "key": (f32, ["T", num_kv_heads, head_dim]),
             "value": (f32, ["T", num_kv_heads, head_dim]),
@@ -27,7 +28,8 @@ def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False):
     if metadata:
         node_inputs += write_attention_metadata(w, "block_tables", "context_lens", "query_start_loc",
                                                 w.op("Shape", "key_cache", start=1, end=2),
-                                                w.const([num_heads // num_kv_heads]))
+                                                w.const([num_heads // num_kv_heads]),
+                                                (num_heads, num_kv_heads) if decode_path else None)
     node = helper.make_node(OP_TYPE, node_inputs, ["output"], domain=DOMAIN,
                             num_heads=num_heads, num_kv_heads=num_kv_heads, scale=head_dim ** -0.5)
     graph = helper.make_graph(w.nodes + [node], "pa", inputs,
@@ -35,7 +37,8 @@ def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(DOMAIN, 1)],
                               functions=[make_onnx_function(
-                                  heads=(num_heads, num_kv_heads, head_dim) if metadata else None)])
+                                  heads=(num_heads, num_kv_heads, head_dim) if metadata else None,
+                                  decode_path=decode_path)])
     onnx.checker.check_model(model, full_check=True)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
@@ -75,15 +78,21 @@ CASES = [
     (4, 4, 8, 16, [3, 17, 40], [1, 1, 1]),          # decode, MHA
     (4, 1, 8, 16, [0, 33, 16, 5], [7, 1, 20, 2]),  # mixed chunked prefill, MQA
     (9, 3, 64, 16, [100, 0], [13, 31]),             # SmolLM2 head shape
+    (9, 3, 64, 16, [100, 0, 16, 47], [1, 1, 1, 1]),  # SmolLM2 decode (one prompt of one token)
+    (8, 2, 16, 8, [5], [1]),                         # batch-1 decode
 ]
 
 
-@pytest.mark.parametrize("metadata", [False, True], ids=["self-contained", "metadata-inputs"])
+@pytest.mark.parametrize("metadata,decode_path", [(False, False), (True, False), (True, True)],
+                         ids=["self-contained", "metadata-inputs", "decode-path"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", CASES)
-def test_function_body_matches_reference(heads, kv_heads, head_dim, block_size, ctx, qlens, metadata):
+def test_function_body_matches_reference(heads, kv_heads, head_dim, block_size, ctx, qlens, metadata,
+                                         decode_path):
+    """Every body against the reference; with ``decode_path`` the all-decode cases run the
+    decode branch and the others the general one."""
     rng = np.random.default_rng(0)
     step = random_step(rng, ctx, qlens, heads, kv_heads, head_dim, block_size)
-    sess = single_op_session(heads, kv_heads, head_dim, metadata)
+    sess = single_op_session(heads, kv_heads, head_dim, metadata, decode_path)
     (got,) = sess.run(None, step)
     want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
                                      step["value_cache"], step["block_tables"], step["context_lens"],
