@@ -118,7 +118,7 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         bc.quantize_lm_head = ("embed.weight" if cfg.tie_word_embeddings else "lm_head.weight") in quantized
     graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len, quantized, bc.accuracy_level,
                                   KV_WRITE.get(bc.backend, "runtime"),
-                                  decode_path=bc.backend == "onnxruntime")
+                                  ort_ops=bc.backend == "onnxruntime")
     _log(f"exported prefill and decode graphs ({len(graphs['decode'].graph.node)} nodes each)")
 
     def progress(done, total):

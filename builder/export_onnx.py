@@ -89,11 +89,12 @@ class DecoderGraphWriter:
 
     def __init__(self, config: ModelConfig, weights: WeightStore, max_seq_len: int, kind: str,
                  quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0,
-                 kv_write: str = "runtime", decode_path: bool = False):
+                 kv_write: str = "runtime", ort_ops: bool = False):
         if kv_write not in KV_WRITES:
             raise ValueError(f"kv_write must be one of {KV_WRITES}, got {kv_write!r}")
         self.kv_write = kv_write
-        self.decode_path = decode_path and kv_write == "runtime"
+        self.ort_ops = ort_ops and kv_write == "runtime"
+        self.position_ids = ""     # [T, 1] int64, for ONNX Runtime's RotaryEmbedding
         self.c, self.weights, self.kind = config, weights, kind
         self.quantized, self.accuracy_level = quantized or {}, accuracy_level
         self.max_seq_len = max_seq_len
@@ -152,6 +153,14 @@ class DecoderGraphWriter:
         rms = w.op("Sqrt", w.op("Add", ms, w.const(eps, np.float32)))
         return w.op("Mul", w.op("Div", x, rms), self.weight(prefix + ".weight"))
 
+    def skip_norm(self, x: str, y: str, prefix: str) -> tuple[str, str]:
+        """``(rmsnorm(x + y), x + y)`` as ONNX Runtime's one ``SkipSimplifiedLayerNormalization``."""
+        w = self.w
+        h, total = w.fresh("norm"), w.fresh("residual")
+        w.op("SkipSimplifiedLayerNormalization", x, y, self.weight(prefix + ".weight"), domain=MS_DOMAIN,
+             epsilon=self.c.norm_eps, outputs=[h, "", "", total])
+        return h, total
+
     def rope(self, x: str, cos: str, sin: str) -> str:
         """Rotate-half rotary embedding (RoFormer, Su et al. 2021) on ``x [T, heads, D]``.
 
@@ -173,12 +182,27 @@ class DecoderGraphWriter:
     def attention(self, i: int, x: str, cos: str | None, sin: str | None) -> tuple[str, str, str]:
         c, w = self.c, self.w
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        if self.ort_ops and cos is not None:   # ONNX Runtime's RotaryEmbedding over q and k heads
+            qkv = w.op("Reshape", self.linear(x, f"layers.{i}.qkv"), w.const([-1, 1, (hq + 2 * hkv) * d]))
+            qk, v = w.op("Split", qkv, w.const([(hq + hkv) * d, hkv * d]), axis=2, outputs=2)
+            qk = w.op("RotaryEmbedding", qk, self.position_ids, self.weight("rope.cos"),
+                      self.weight("rope.sin"), domain=MS_DOMAIN, num_heads=hq + hkv, interleaved=0)
+            q, k = w.op("Split", w.op("Reshape", qk, w.const([-1, hq + hkv, d])), w.const([hq, hkv]),
+                        axis=1, outputs=2)
+            v = w.op("Reshape", v, w.const([-1, hkv, d]))
+            return self._paged_attention(i, q, k, v)
         qkv = w.op("Reshape", self.linear(x, f"layers.{i}.qkv"), w.const([-1, hq + 2 * hkv, d]))
         if cos is None:
             q, k, v = w.op("Split", qkv, w.const([hq, hkv, hkv]), axis=1, outputs=3)
         else:       # rotate q and k heads together
             qk, v = w.op("Split", qkv, w.const([hq + hkv, hkv]), axis=1, outputs=2)
             q, k = w.op("Split", self.rope(qk, cos, sin), w.const([hq, hkv]), axis=1, outputs=2)
+        return self._paged_attention(i, q, k, v)
+
+    def _paged_attention(self, i: int, q: str, k: str, v: str) -> tuple[str, str, str]:
+        """Layer ``i``'s PagedAttention node and o_proj: ``(o_proj output, k, v)``."""
+        c, w = self.c, self.w
+        hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         in_op = self.kv_write == "in_op"
         outs = [w.fresh("pa_out"), f"key_cache_out.{i}", f"value_cache_out.{i}"] if in_op else 1
         plugin = {"plugin_namespace": DOMAIN} if in_op else {}  # TensorRT's parser: use the plugin
@@ -204,28 +228,42 @@ class DecoderGraphWriter:
         cos = sin = None
         if c.family == "gpt2":
             x = w.op("Add", x, w.op("Gather", self.weight("pos_embed.weight"), "positions", axis=0))
+        elif self.ort_ops:
+            self.position_ids = w.op("Unsqueeze", "positions", w.const([1]))
+            cos = sin = "rope.cos"   # RotaryEmbedding reads the tables itself
         else:
             cos, sin = self.rope_tables()
         if self.kv_write == "runtime":     # the TensorRT plugin's node keeps the 9 inputs
             block_size = w.op("Shape", "key_cache.0", start=1, end=2)
             self.metadata = write_attention_metadata(
                 w, *GRAPH_INPUTS[3:], block_size, w.const([c.num_heads // c.num_kv_heads]),
-                (c.num_heads, c.num_kv_heads) if self.decode_path else None)
+                (c.num_heads, c.num_kv_heads) if self.ort_ops else None)
         new_keys, new_values = [], []
+        fused_norms = self.ort_ops and c.family != "gpt2"   # residual add + RMSNorm in one op
+        h = self.norm(x, "layers.0.attn_norm") if fused_norms else None
         for i in range(c.num_layers):
-            attn, k, v = self.attention(i, self.norm(x, f"layers.{i}.attn_norm"), cos, sin)
-            x = w.op("Add", x, attn)
-            x = w.op("Add", x, self.mlp(i, self.norm(x, f"layers.{i}.mlp_norm")))
+            if fused_norms:
+                attn, k, v = self.attention(i, h, cos, sin)
+                h, x = self.skip_norm(x, attn, f"layers.{i}.mlp_norm")
+                following = f"layers.{i + 1}.attn_norm" if i + 1 < c.num_layers else "final_norm"
+                h, x = self.skip_norm(x, self.mlp(i, h), following)
+            else:
+                attn, k, v = self.attention(i, self.norm(x, f"layers.{i}.attn_norm"), cos, sin)
+                x = w.op("Add", x, attn)
+                x = w.op("Add", x, self.mlp(i, self.norm(x, f"layers.{i}.mlp_norm")))
             if self.kv_write == "runtime":
                 new_keys.append(w.op("Unsqueeze", k, w.const([0])))
                 new_values.append(w.op("Unsqueeze", v, w.const([0])))
         if self.kv_write == "runtime":
             w.op("Concat", *new_keys, axis=0, outputs=["new_keys"])
             w.op("Concat", *new_values, axis=0, outputs=["new_values"])
+        if not fused_norms:
+            h = x
         if self.kind == "prefill":
-            x = w.op("Gather", x, "logits_indices", axis=0)
+            h = w.op("Gather", h, "logits_indices", axis=0)
+        if not fused_norms:
+            h = self.norm(h, "final_norm")
         lm_head = "embed.weight" if c.tie_word_embeddings else "lm_head.weight"
-        h = self.norm(x, "final_norm")
         self.linear(h, lm_head.removesuffix(".weight"), outputs=["logits"])
         return self._model()
 
@@ -254,10 +292,10 @@ class DecoderGraphWriter:
         graph = helper.make_graph(self.w.nodes, self.kind, inputs, outputs,
                                   initializer=self.weights.initializer_protos(self.used))
         opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)]
-        if self.quantized:
+        if self.quantized or self.ort_ops:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         function = (make_onnx_function(heads=(c.num_heads, c.num_kv_heads, c.head_dim),
-                                       decode_path=self.decode_path)
+                                       decode_path=self.ort_ops)
                     if self.kv_write == "runtime" else in_op_function())
         model = helper.make_model(graph, opset_imports=opsets, functions=[function],
                                   producer_name="trtllm-lite")
@@ -276,7 +314,7 @@ def add_rope_tables(config: ModelConfig, weights: WeightStore, max_seq_len: int)
 
 def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_len: int,
                   quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0,
-                  kv_write: str = "runtime", decode_path: bool = False
+                  kv_write: str = "runtime", ort_ops: bool = False
                   ) -> tuple[dict[str, onnx.ModelProto], WeightStore]:
     """Build the prefill and decode graphs over one weight store.
 
@@ -290,8 +328,10 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
             4: int8 activations).
         kv_write: ``"runtime"`` (graphs return ``new_keys``/``new_values``; ONNX Runtime,
             TensorRT-RTX) or ``"in_op"`` (the op writes the pools; TensorRT), module docstring.
-        decode_path: give the PagedAttention body its decode path (all sequences one token;
-            :func:`~builder.paged_attention.make_onnx_function`); the ONNX Runtime backend's.
+        ort_ops: graphs that only ONNX Runtime runs (its backend's): the PagedAttention body
+            gets its decode path (:func:`~builder.paged_attention.make_onnx_function`), and
+            ONNX Runtime's fused ``RotaryEmbedding`` and ``SkipSimplifiedLayerNormalization``
+            (residual add + RMSNorm) replace their standard-op spelling.
     Returns:
         ``({"prefill": model, "decode": model}, store)``; write the store with ``store.write``.
     """
@@ -309,6 +349,6 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
         raise ValueError(f"max_seq_len {max_seq_len} exceeds GPT-2's learned positions "
                          f"({config.max_position_embeddings})")
     graphs = {kind: DecoderGraphWriter(config, store, max_seq_len, kind, quantized, accuracy_level,
-                                       kv_write, decode_path).build()
+                                       kv_write, ort_ops).build()
               for kind in ("prefill", "decode")}
     return graphs, store
