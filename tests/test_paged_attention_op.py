@@ -80,6 +80,10 @@ CASES = [
     (9, 3, 64, 16, [100, 0], [13, 31]),             # SmolLM2 head shape
     (9, 3, 64, 16, [100, 0, 16, 47], [1, 1, 1, 1]),  # SmolLM2 decode (one prompt of one token)
     (8, 2, 16, 8, [5], [1]),                         # batch-1 decode
+    (9, 3, 64, 16, [0], [37]),                       # one fresh prompt
+    (4, 2, 16, 8, [20], [13]),                       # one prompt chunk after cached context
+    (4, 4, 8, 16, [5], [4]),                         # one draft verification, MHA
+    (4, 1, 8, 4, [0, 9, 30], [3, 3, 3]),             # equal lengths, several sequences, MQA
 ]
 
 
@@ -89,7 +93,8 @@ CASES = [
 def test_function_body_matches_reference(heads, kv_heads, head_dim, block_size, ctx, qlens, metadata,
                                          decode_path):
     """Every body against the reference; with ``decode_path`` the all-decode cases run the
-    decode branch and the others the general one."""
+    decode branch, the one-sequence ones GroupQueryAttention and the others the general
+    body."""
     rng = np.random.default_rng(0)
     step = random_step(rng, ctx, qlens, heads, kv_heads, head_dim, block_size)
     sess = single_op_session(heads, kv_heads, head_dim, metadata, decode_path)
