@@ -260,18 +260,21 @@ def _write_one_sequence_attention(w, q, k, v, kc, vc, ctx, ctx_block_ids: str, h
 
     Runs ONNX Runtime's ``com.microsoft.GroupQueryAttention`` over the gathered context: its
     CPU kernel applies the causal mask itself and keeps scores per head, where the general
-    body adds a ``[.., Q, L]`` bias and softmaxes over separate full-size tensors (SmolLM2, a
-    512-token chunk after 1,536 cached tokens: 720 -> 578 ms per step). GQA's semantics (a
+    body adds a ``[.., Q, L]`` bias and softmaxes over separate full-size tensors (SmolLM2
+    fp32, a 512-token chunk after 1,536 cached tokens: 779 -> 606 ms per step). GQA's semantics (a
     "subsequent prompt" over a dynamic cache): past ``[S, Hkv, Lc, D]`` (S = 1) with the first
     ``seqlens_k[s] + 1 - Q = ctx_s`` rows valid, ``total_sequence_length = Lc + Q``.
     """
+    from onnx import AttributeProto, TensorProto
+
     num_heads, num_kv_heads, head_dim = heads
     i64 = lambda v: w.const(v)  # noqa: E731
     num_seqs, num_tokens = w.op("Shape", ctx), w.op("Shape", q, start=0, end=1)
     q_len = w.op("Div", num_tokens, num_seqs)                                        # [1] = Q
-    seqlens_k = w.op("Cast", w.op("Sub", w.op("Add", ctx, q_len), i64([1])), to=6)  # int32 [S]
+    int32 = TensorProto.INT32
+    seqlens_k = w.op("Cast", w.op("Sub", w.op("Add", ctx, q_len), i64([1])), to=int32)  # [S]
     cached = w.op("Mul", w.op("Shape", ctx_block_ids, start=1, end=2), w.op("Shape", kc, start=1, end=2))
-    total = w.op("Cast", w.op("Squeeze", w.op("Add", cached, q_len), i64([0])), to=6)  # int32 scalar
+    total = w.op("Cast", w.op("Squeeze", w.op("Add", cached, q_len), i64([0])), to=int32)  # scalar
 
     def past(cache):   # [S, Hkv, Lc, D]
         gathered = w.op("Gather", cache, ctx_block_ids, axis=0)                      # [S, Mc, B, Hkv, D]
@@ -283,7 +286,6 @@ def _write_one_sequence_attention(w, q, k, v, kc, vc, ctx, ctx_block_ids: str, h
     out = w.op("GroupQueryAttention", rows(q, num_heads * head_dim), rows(k, num_kv_heads * head_dim),
                rows(v, num_kv_heads * head_dim), past(kc), past(vc), seqlens_k, total,
                domain="com.microsoft", outputs=3, num_heads=num_heads, kv_num_heads=num_kv_heads)[0]
-    from onnx import AttributeProto
     w.nodes[-1].attribute.append(AttributeProto(name="scale", ref_attr_name="scale", type=AttributeProto.FLOAT))
     w.op("Reshape", out, i64([-1, num_heads, head_dim]), outputs=[output])
 
@@ -329,10 +331,11 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
             the graph) and its reshapes use constants, so a layer's attention is about 30
             ops. ``None``: the self-contained 9-input body (computes its own metadata and
             reads the sizes from the inputs' shapes).
-        decode_path: with ``heads``, also take ``decode_bias`` (input 13) and run
-            :func:`_write_decode_attention` when every sequence computes one token (an ``If``
-            on ``T == S``); other steps take the general body. For ONNX Runtime's float32
-            graphs (measured there).
+        decode_path: with ``heads``, also take ``decode_bias`` (input 13) and pick the kernel
+            by the step's shape (``If`` nodes): :func:`_write_decode_attention` when every
+            sequence computes one token (``T == S``), :func:`_write_one_sequence_attention`
+            (ONNX Runtime's GroupQueryAttention) for one sequence computing several, the
+            general body otherwise. For ONNX Runtime's float32 graphs (measured there).
     """
     from onnx import helper
 

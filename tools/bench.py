@@ -214,7 +214,8 @@ def machine() -> dict:
             pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2 ** 30, 1),
-            "python": platform.python_version(), "versions": versions}
+            "python": platform.python_version(), "versions": versions,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
 
 if __name__ == "__main__":

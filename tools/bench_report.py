@@ -117,7 +117,9 @@ class Report:
               + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + f"; {self.spec['threads']} threads for every system.",
               f"Load average {self.load0[0]:.2f} before, {self.load1[0]:.2f} after"
               + (" (the machine was shared: figures taken under load)" if max(self.load0[0], self.load1[0]) > 0.5 else "")
-              + ".", "", "```bash", "python tools/bench.py", "```", ""]
+              + ".", "", "```bash",
+              (f"GLIBC_TUNABLES={m['glibc_tunables']} " if m.get("glibc_tunables") else "") + "python tools/bench.py",
+              "```", ""]
         L += ["### Bounds (measured in this run)", "",
               "| quantity | value |", "|---|---:|",
               f"| read bandwidth (best of threaded numpy sum, BLAS GEMV over 512 MiB) | {b['read_bandwidth'] / 1e9:.1f} GB/s |",
