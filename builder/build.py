@@ -191,8 +191,16 @@ def _set_accuracy_level(graph: onnx.ModelProto, level: int) -> onnx.ModelProto:
 
 
 def _compile_check(output: str) -> None:
-    """The onnxruntime backend 'compiles' by loading both sessions once."""
-    from trtllm_lite.engine_dir import load_engine_dir
-    from trtllm_lite.runners.onnxruntime_runner import create_sessions
+    """The onnxruntime backend 'compiles' by loading the engine and running a few steps that
+    take each of the attention op's kernels (a lone prompt, decodes, prompts of different
+    lengths together), so a kernel that refuses the model's shapes fails the build.
 
-    create_sessions(load_engine_dir(output), num_threads=None)
+    Raises:
+        onnxruntime's error: a graph does not load or a step does not run.
+    """
+    from trtllm_lite import LLM, SamplingParams
+
+    llm = LLM(output, num_kv_blocks=16, verify_checksums=False)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.generate([[1, 2, 3]], greedy)
+    llm.generate([[1, 2], [3, 4, 5, 6, 7]], greedy)

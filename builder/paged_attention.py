@@ -52,6 +52,7 @@ INPUT_NAMES = (
     "slot_mapping", "block_tables", "context_lens", "query_start_loc",
 )
 METADATA_NAMES = ("pad_index", "unpad_index", "ctx_block_ids", "attn_bias", "decode_bias")
+GQA_HEAD_DIM_MULTIPLE = 8   # ONNX Runtime's CPU GroupQueryAttention: head_size % 8 == 0
 
 
 def write_kv_reference(key_cache: np.ndarray, value_cache: np.ndarray, key: np.ndarray,
@@ -334,8 +335,9 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
         decode_path: with ``heads``, also take ``decode_bias`` (input 13) and pick the kernel
             by the step's shape (``If`` nodes): :func:`_write_decode_attention` when every
             sequence computes one token (``T == S``), :func:`_write_one_sequence_attention`
-            (ONNX Runtime's GroupQueryAttention) for one sequence computing several, the
-            general body otherwise. For ONNX Runtime's float32 graphs (measured there).
+            (ONNX Runtime's GroupQueryAttention; only when ``head_dim`` is a multiple of 8,
+            which its CPU kernel requires) for one sequence computing several, the general
+            body otherwise. For ONNX Runtime's float32 graphs (measured there).
     """
     from onnx import helper
 
@@ -360,21 +362,24 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
     if heads is None or not decode_path:
         _write_attention(w, q, k, v, kc, vc, metadata, dims, scale, "output")
     else:
-        # three kernels, picked by the step's shape: decode (T == S), one sequence computing
-        # several tokens (S == 1), the general body
-        general, one_seq = NodeWriter("pa_gen_"), NodeWriter("pa_gqa_")
-        decode, not_decode = NodeWriter("pa_dec_"), NodeWriter("pa_pre_")
+        # up to three kernels, picked by the step's shape: decode (T == S), one sequence
+        # computing several tokens (S == 1; ONNX Runtime's GroupQueryAttention, whose CPU
+        # kernel needs head_dim % 8 == 0), the general body
+        general, decode = NodeWriter("pa_gen_"), NodeWriter("pa_dec_")
         _write_attention(general, q, k, v, kc, vc, metadata, dims, scale, "pa_gen_output")
-        _write_one_sequence_attention(one_seq, q, k, v, kc, vc, ctx, "ctx_block_ids", heads, "pa_gqa_output")
         _write_decode_attention(decode, q, k, v, kc, vc, "ctx_block_ids", "decode_bias",
                                 dims["head_dim"], scale, "pa_dec_output")
         num_tokens, num_seqs = w.op("Shape", q, start=0, end=1), w.op("Shape", ctx)
-        not_decode.op("If", w.op("Equal", num_seqs, w.const([1])), outputs=["pa_pre_output"],
-                      then_branch=_branch(one_seq, "one_sequence", "pa_gqa_output"),
-                      else_branch=_branch(general, "general", "pa_gen_output"))
+        not_decode, not_decode_out = general, "pa_gen_output"
+        if heads[2] % GQA_HEAD_DIM_MULTIPLE == 0:
+            one_seq, not_decode, not_decode_out = NodeWriter("pa_gqa_"), NodeWriter("pa_pre_"), "pa_pre_output"
+            _write_one_sequence_attention(one_seq, q, k, v, kc, vc, ctx, "ctx_block_ids", heads, "pa_gqa_output")
+            not_decode.op("If", w.op("Equal", num_seqs, w.const([1])), outputs=[not_decode_out],
+                          then_branch=_branch(one_seq, "one_sequence", "pa_gqa_output"),
+                          else_branch=_branch(general, "general", "pa_gen_output"))
         w.op("If", w.op("Equal", num_tokens, num_seqs), outputs=["output"],
              then_branch=_branch(decode, "decode", "pa_dec_output"),
-             else_branch=_branch(not_decode, "prefill", "pa_pre_output"))
+             else_branch=_branch(not_decode, "prefill", not_decode_out))
     opsets = [helper.make_opsetid("", opset or OPSET)]
     if heads is not None and decode_path:
         opsets.append(helper.make_opsetid("com.microsoft", 1))

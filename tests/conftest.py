@@ -58,6 +58,9 @@ TINY_CONFIGS = {
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
     "qwen2-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "gpt2": ("GPT2Config", dict(n_head=4)),
+    # head_dim 12: ONNX Runtime's GroupQueryAttention needs a multiple of 8, so these graphs
+    # keep the general body for one-sequence prompts
+    "llama-hd12": ("LlamaConfig", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2)),
 }
 
 
@@ -71,9 +74,9 @@ def make_tiny_hf(kind: str, out: str, seed: int = 0) -> str:
         config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_positions=256,
                                          initializer_range=0.1, **extra)
     else:
-        config = getattr(transformers, cls_name)(
-            vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.1, **extra)
+        config = getattr(transformers, cls_name)(**{
+            **dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   max_position_embeddings=256, rope_theta=10000.0, initializer_range=0.1), **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     model.save_pretrained(out, safe_serialization=True)

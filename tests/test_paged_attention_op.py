@@ -84,6 +84,8 @@ CASES = [
     (4, 2, 16, 8, [20], [13]),                       # one prompt chunk after cached context
     (4, 4, 8, 16, [5], [4]),                         # one draft verification, MHA
     (4, 1, 8, 4, [0, 9, 30], [3, 3, 3]),             # equal lengths, several sequences, MQA
+    (4, 2, 12, 4, [7], [5]),                         # head_dim 12: GroupQueryAttention cannot, general body
+    (4, 4, 20, 4, [9, 2], [1, 1]),                   # head_dim 20, decode
 ]
 
 

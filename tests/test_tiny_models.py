@@ -8,7 +8,7 @@ from trtllm_lite.engine_dir import load_engine_dir
 from trtllm_lite.runners.base import ScheduledSeq, StepBatch
 from trtllm_lite.runners.onnxruntime_runner import OnnxRuntimeRunner, OrtOptions
 
-KINDS = ["llama-gqa", "llama-mqa", "llama-mha", "mistral", "qwen2-bias", "gpt2"]
+KINDS = ["llama-gqa", "llama-mqa", "llama-mha", "mistral", "qwen2-bias", "gpt2", "llama-hd12"]
 
 
 def hf_logits(hf, ids):
@@ -54,4 +54,19 @@ def test_greedy_ids_match_hf_generate(tiny_model, kind):
             ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == ref
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lone_prompt_in_chunks_matches_hf(tiny_model, kind):
+    """One sequence alone: its prompt chunks (the later ones after cached context) run the
+    one-sequence attention kernel, its decode steps the decode path."""
+    hf, engine_dir = tiny_model(kind)
+    llm = LLM(engine_dir, num_kv_blocks=64, verify_checksums=False, max_num_batched_tokens=16)
+    prompt = np.random.default_rng(3).integers(0, 256, 41).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == ref
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
