@@ -234,7 +234,8 @@ def _write_decode_attention(w, q, k, v, kc, vc, ctx_block_ids: str, decode_bias:
     ``decode_bias`` (-inf off the head's own KV head and past the context) drops the others.
     That spends ``Hkv`` times the attention FLOPs (small at decode: one query row per head)
     to read the context once, with no transpose, no padding and no K/V concat: at batch 64
-    the general path's gather, transposes and concat moved the KV 6-7 times per layer.
+    the general path's gather, transpose and concat made three copies each of K and V per
+    layer.
     The new token's K/V score and weigh as a separate ``[S, Hkv, D]`` term::
 
         scores = [q * scale @ K_ctx^T | q * scale @ k^T] + decode_bias    [S, H, (Lc + 1) * Hkv]
