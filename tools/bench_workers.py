@@ -64,7 +64,7 @@ def run_peer(spec: dict, peer, full: bool) -> dict:
         for name in ("random", "equal"):
             w = spec[name]
             out[name] = peer.static_batches(w["prompts"], _list(w["max_tokens"], w["prompts"]), spec["hf_batch"])
-    if full and isinstance(peer, GenAIPeer):
+    if full and isinstance(peer, (GenAIPeer, LlamaCppPeer)):   # no batching across requests
         w, n = spec["random"], spec["genai_requests"]
         out["random_sequential"] = peer.sequential(w["prompts"][:n], _list(w["max_tokens"], w["prompts"])[:n])
     return out
