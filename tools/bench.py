@@ -12,6 +12,12 @@ batch-1 decode tokens/s), greedy ids on the test prompts, offline throughput (64
 with seeded random lengths, and 64 x 128 in / 128 out), a concurrency sweep, peak RSS.
 Bounds measured in the same run (:mod:`bench_bounds`) are printed beside the speeds.
 
+llama.cpp joins when ``llama-cpp-python`` is installed; it builds from source (~12 minutes on
+2 cores; the local package index has the sdist)::
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DLLAMA_CURL=OFF" \
+        pip install llama-cpp-python
+
 Writes ``docs/benchmarks_cpu.json``, ``docs/benchmarks_cpu.png`` and the generated section of
 ``docs/benchmarks.md`` (between the ``bench.py`` markers; other sections are kept).
 """
