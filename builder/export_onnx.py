@@ -95,6 +95,7 @@ class DecoderGraphWriter:
         self.kv_write = kv_write
         self.ort_ops = ort_ops and kv_write == "runtime"
         self.position_ids = ""     # [T, 1] int64, for ONNX Runtime's RotaryEmbedding
+        self.cos_sin: tuple[str, str] | None = None   # the step's rotary rows (standard ops)
         self.c, self.weights, self.kind = config, weights, kind
         self.quantized, self.accuracy_level = quantized or {}, accuracy_level
         self.max_seq_len = max_seq_len
@@ -179,10 +180,12 @@ class DecoderGraphWriter:
         return (w.op("Unsqueeze", w.op("Concat", cos, cos, axis=-1), w.const([1])),
                 w.op("Unsqueeze", w.op("Concat", w.op("Neg", sin), sin, axis=-1), w.const([1])))
 
-    def attention(self, i: int, x: str, cos: str | None, sin: str | None) -> tuple[str, str, str]:
+    def attention(self, i: int, x: str) -> tuple[str, str, str]:
+        """Layer ``i``'s qkv projection, rotary embedding, PagedAttention and o_proj:
+        ``(o_proj output [T, hidden], k [T, Hkv, D], v [T, Hkv, D])``."""
         c, w = self.c, self.w
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        if self.ort_ops and cos is not None:   # ONNX Runtime's RotaryEmbedding over q and k heads
+        if self.position_ids:   # ONNX Runtime's RotaryEmbedding over the q and k heads
             qkv = w.op("Reshape", self.linear(x, f"layers.{i}.qkv"), w.const([-1, 1, (hq + 2 * hkv) * d]))
             qk, v = w.op("Split", qkv, w.const([(hq + hkv) * d, hkv * d]), axis=2, outputs=2)
             qk = w.op("RotaryEmbedding", qk, self.position_ids, self.weight("rope.cos"),
@@ -192,11 +195,11 @@ class DecoderGraphWriter:
             v = w.op("Reshape", v, w.const([-1, hkv, d]))
             return self._paged_attention(i, q, k, v)
         qkv = w.op("Reshape", self.linear(x, f"layers.{i}.qkv"), w.const([-1, hq + 2 * hkv, d]))
-        if cos is None:
+        if self.cos_sin is None:   # no rotary (GPT-2)
             q, k, v = w.op("Split", qkv, w.const([hq, hkv, hkv]), axis=1, outputs=3)
         else:       # rotate q and k heads together
             qk, v = w.op("Split", qkv, w.const([hq + hkv, hkv]), axis=1, outputs=2)
-            q, k = w.op("Split", self.rope(qk, cos, sin), w.const([hq, hkv]), axis=1, outputs=2)
+            q, k = w.op("Split", self.rope(qk, *self.cos_sin), w.const([hq, hkv]), axis=1, outputs=2)
         return self._paged_attention(i, q, k, v)
 
     def _paged_attention(self, i: int, q: str, k: str, v: str) -> tuple[str, str, str]:
@@ -225,14 +228,12 @@ class DecoderGraphWriter:
     def build(self) -> onnx.ModelProto:
         c, w = self.c, self.w
         x = w.op("Gather", self.weight("embed.weight"), "input_ids", axis=0)      # [T, hidden]
-        cos = sin = None
         if c.family == "gpt2":
             x = w.op("Add", x, w.op("Gather", self.weight("pos_embed.weight"), "positions", axis=0))
-        elif self.ort_ops:
+        elif self.ort_ops:    # RotaryEmbedding reads the cos/sin tables at these positions itself
             self.position_ids = w.op("Unsqueeze", "positions", w.const([1]))
-            cos = sin = "rope.cos"   # RotaryEmbedding reads the tables itself
         else:
-            cos, sin = self.rope_tables()
+            self.cos_sin = self.rope_tables()
         if self.kv_write == "runtime":     # the TensorRT plugin's node keeps the 9 inputs
             block_size = w.op("Shape", "key_cache.0", start=1, end=2)
             self.metadata = write_attention_metadata(
@@ -243,12 +244,12 @@ class DecoderGraphWriter:
         h = self.norm(x, "layers.0.attn_norm") if fused_norms else None
         for i in range(c.num_layers):
             if fused_norms:
-                attn, k, v = self.attention(i, h, cos, sin)
+                attn, k, v = self.attention(i, h)
                 h, x = self.skip_norm(x, attn, f"layers.{i}.mlp_norm")
                 following = f"layers.{i + 1}.attn_norm" if i + 1 < c.num_layers else "final_norm"
                 h, x = self.skip_norm(x, self.mlp(i, h), following)
             else:
-                attn, k, v = self.attention(i, self.norm(x, f"layers.{i}.attn_norm"), cos, sin)
+                attn, k, v = self.attention(i, self.norm(x, f"layers.{i}.attn_norm"))
                 x = w.op("Add", x, attn)
                 x = w.op("Add", x, self.mlp(i, self.norm(x, f"layers.{i}.mlp_norm")))
             if self.kv_write == "runtime":
