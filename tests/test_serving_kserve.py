@@ -253,3 +253,18 @@ def test_empty_final_response_and_stop_words(triton, reference):
     assert responses[-1].as_numpy("text_output") is None          # the end, on its own
     text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r in responses[:-1])
     assert text == reference.text[:reference.text.index(stop)]
+
+
+def test_cache_salt_reaches_the_prefix_cache(server, triton):
+    """A KServe request's ``cache_salt`` keys its prefix-cache blocks: our own gRPC API, on the
+    same engine, finds them cached under that salt and not under another."""
+    from trtllm_lite.serving.client import LLMClient
+
+    prompt = "A salted prompt: KServe requests share cached blocks only within one salt. " * 3
+    triton.infer("ensemble", tensors(prompt, max_tokens=1, cache_salt=np.array([["kserve-a"]], dtype=object)))
+    with LLMClient(server.grpc, timeout=60) as c:
+        cached = lambda salt: c.complete(prompt, max_tokens=1, cache_salt=salt).usage.cached_tokens  # noqa: E731
+        assert cached("kserve-b") == 0 and cached("kserve-a") >= 16
+    with pytest.raises(InferenceServerException) as e:
+        triton.infer("ensemble", tensors(max_tokens=1, cache_salt=np.array([[""]], dtype=object)))
+    assert "INVALID_ARGUMENT" in str(e.value.status()) and "cache_salt" in e.value.message()

@@ -315,6 +315,7 @@ def test_cancelled_stream_frees_its_blocks_and_server_keeps_serving(server, smol
     (dict(max_tokens=0), "max_tokens"),
     (dict(prompt=b"\xff\xfe not utf-8"), "UTF-8"),
     (dict(prompt="hello " * 300), "max_seq_len"),
+    (dict(cache_salt=b""), "cache_salt"),           # the salt reaches the engine, which refuses an empty one
 ])
 def test_bad_parameter_fails_that_request_only(server, tiny_llm, extra, expected):
     long_run = Stream(server.grpc_url)  # a good request streams on beside the bad one

@@ -91,6 +91,9 @@ INPUTS: tuple[TensorSpec, ...] = (
     _b("stream", "one response per new piece of text (decoupled)"),
     TensorSpec("embedding_bias_words", "BYTES", (-1,), True, None, "words whose logits are biased"),
     TensorSpec("embedding_bias_weights", "FP32", (-1,), True, None, "bias per word (logit_bias)"),
+    TensorSpec("cache_salt", "BYTES", (1,), True, None,
+               "prefix-cache isolation key (vLLM's cache_salt): cached blocks are shared only "
+               "between requests with the same salt"),
 )
 
 #: Outputs. ``text_output`` always; the others when asked for by the ``return_*`` flags.
@@ -174,6 +177,7 @@ class EnsembleRequest:
     return_num_output_tokens: bool = False
     return_perf_metrics: bool = False
     batched: bool = True
+    cache_salt: str | None = None
 
 
 def parse_inputs(inputs: Mapping[str, np.ndarray],
@@ -189,7 +193,8 @@ def parse_inputs(inputs: Mapping[str, np.ndarray],
     Returns:
         The request; ``sampling`` maps to ``SamplingParams`` (``stop_words`` -> ``stop``,
         ``num_return_sequences`` -> ``n``, ``end_id`` -> ``stop_token_ids``,
-        ``return_log_probs`` -> ``logprobs=1``).
+        ``return_log_probs`` -> ``logprobs=1``); ``cache_salt`` goes with the request (an
+        empty salt is refused by the engine, naming ``cache_salt``).
 
     Raises:
         ValueError: an unknown tensor, a missing required one, a batch of more than one,
@@ -222,6 +227,8 @@ def parse_inputs(inputs: Mapping[str, np.ndarray],
                 s[INPUTS_BY_NAME[name].param] = words
     if "end_id" in inputs:
         s["stop_token_ids"] = [_int("end_id", inputs["end_id"])]
+    if "cache_salt" in inputs:
+        req.cache_salt = _text(_scalar("cache_salt", np.asarray(inputs["cache_salt"])), "cache_salt")
     if "beam_width" in inputs and _int("beam_width", inputs["beam_width"]) != 1:
         raise ValueError("beam_width must be 1 (beam search is not supported)")
     if req.return_log_probs:

@@ -193,7 +193,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             if ereq.stream:
                 raise ValueError("stream=true needs ModelStreamInfer (decoupled); "
                                  "ModelInfer returns the whole text at once")
-            acc = await self.service.generate_all(ereq.prompt, params, uuid.uuid4().hex, context.time_remaining())
+            acc = await self.service.generate_all(ereq.prompt, params, uuid.uuid4().hex, context.time_remaining(),
+                                                  cache_salt=ereq.cache_salt)
         except NotFoundError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except Exception as e:  # noqa: BLE001 - every request error becomes a status
@@ -208,7 +209,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
             if "triton_enable_empty_final_response" in request.parameters else False
         acc = Accumulator()
-        async with aclosing(self.service.generate(ereq.prompt, params, uuid.uuid4().hex)) as gen:
+        async with aclosing(self.service.generate(ereq.prompt, params, uuid.uuid4().hex,
+                                                  cache_salt=ereq.cache_salt)) as gen:
             async for out in gen:
                 acc.add(out)
                 if not ereq.stream:

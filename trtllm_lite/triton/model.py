@@ -233,7 +233,8 @@ class TritonPythonModel:
         self.tasks[request_id] = (sender, asyncio.current_task())
         state = _ResponseState(request, getattr(params, "n", 1))
         try:  # aclosing: if a send fails, the request is aborted now, not when collected
-            async with contextlib.aclosing(self.llm.generate(request.prompt, params, request_id)) as outs:
+            async with contextlib.aclosing(self.llm.generate(request.prompt, params, request_id,
+                                                             cache_salt=request.cache_salt)) as outs:
                 async for out in outs:
                     _send(sender, [_response(t) for t in state.add(out)], final=out.finished)
         except asyncio.CancelledError:  # the client cancelled: the generator's exit aborted the request
