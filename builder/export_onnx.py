@@ -148,8 +148,9 @@ class DecoderGraphWriter:
             return w.op("LayerNormalization", x, self.weight(prefix + ".weight"),
                         self.weight(prefix + ".bias"), axis=-1, epsilon=eps)
         # RMSNorm (Zhang & Sennrich 2019) in the op pattern ONNX Runtime fuses into one
-        # SimplifiedLayerNormalization (the residual Add before it stays a separate op: ORT's
-        # skip fusion wants 3-D inputs, ours are packed [T, hidden])
+        # SimplifiedLayerNormalization (ORT's own skip fusion wants 3-D inputs, ours are packed
+        # [T, hidden]: the ONNX Runtime graphs write the residual add + norm as one op
+        # themselves, :meth:`skip_norm`)
         ms = w.op("ReduceMean", w.op("Pow", x, w.const(2.0, np.float32)), w.const([-1]), keepdims=1)
         rms = w.op("Sqrt", w.op("Add", ms, w.const(eps, np.float32)))
         return w.op("Mul", w.op("Div", x, rms), self.weight(prefix + ".weight"))
