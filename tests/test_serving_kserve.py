@@ -65,6 +65,9 @@ def test_parse_inputs_maps_to_sampling_params():
      "beam_width"),
     ({"text_input": obj(PROMPT), "max_tokens": np.array([[1]], np.int32), "stream": np.array([[1]], np.int32)},
      "'stream' must be BOOL"),
+    ({"text_input": np.array([[5]], np.int32), "max_tokens": np.array([[1]], np.int32)}, "'text_input' must be BYTES"),
+    ({"text_input": obj(PROMPT), "max_tokens": np.array([[1]], np.int32), "cache_salt": np.array([[3]], np.int32)},
+     "'cache_salt' must be BYTES"),
 ])
 def test_parse_inputs_errors_name_the_tensor(inputs, message):
     with pytest.raises(ValueError, match=message):
@@ -268,3 +271,19 @@ def test_cache_salt_reaches_the_prefix_cache(server, triton):
     with pytest.raises(InferenceServerException) as e:
         triton.infer("ensemble", tensors(max_tokens=1, cache_salt=np.array([[""]], dtype=object)))
     assert "INVALID_ARGUMENT" in str(e.value.status()) and "cache_salt" in e.value.message()
+
+
+@pytest.mark.parametrize("name, value, datatype", [
+    ("text_input", np.array([[2_000_000_000]], np.int32), "INT32"),   # once: 2 GB of NULs, the server OOM-killed
+    ("cache_salt", np.array([[3]], np.int32), "INT32"),
+    ("temperature", np.array([[0.0]], np.float64), "FP64"),
+])
+def test_wrong_datatype_is_invalid_argument_and_the_server_lives(triton, name, value, datatype):
+    inputs = [t for t in tensors() if t.name() != name]
+    t = tg.InferInput(name, value.shape, datatype)
+    t.set_data_from_numpy(value)
+    with pytest.raises(InferenceServerException) as e:
+        triton.infer("ensemble", inputs + [t])
+    assert "INVALID_ARGUMENT" in str(e.value.status())
+    assert f"{name!r} must be {et.INPUTS_BY_NAME[name].datatype}, got {datatype}" in e.value.message()
+    assert triton.infer("ensemble", tensors(max_tokens=2)).as_numpy("text_output") is not None

@@ -257,9 +257,11 @@ def _scalar(name: str, array):
 def _text(value, name: str = "text_input") -> str:
     if isinstance(value, str):
         return value
+    if not isinstance(value, (bytes, bytearray)):   # bytes(an integer) would be that many NULs
+        raise ValueError(f"input tensor {name!r} must be BYTES (UTF-8 text), got {type(value).__name__}")
     try:
         return bytes(value).decode("utf-8")
-    except (UnicodeDecodeError, TypeError):
+    except UnicodeDecodeError:
         raise ValueError(f"input tensor {name!r} must be UTF-8 text") from None
 
 

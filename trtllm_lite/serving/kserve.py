@@ -51,7 +51,9 @@ def input_arrays(request: kpb.ModelInferRequest) -> dict[str, np.ndarray]:
     """Decode a request's input tensors (``raw_input_contents`` or typed ``contents``).
 
     Raises:
-        ValueError: unknown datatype, duplicate name, or data that does not fill the shape.
+        ValueError: unknown datatype, a datatype other than the ensemble table's for that
+            tensor (as Triton checks against ``config.pbtxt``), duplicate name, or data that
+            does not fill the shape.
     """
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
@@ -62,6 +64,9 @@ def input_arrays(request: kpb.ModelInferRequest) -> dict[str, np.ndarray]:
             raise ValueError(f"input tensor {t.name!r} is given twice")
         if t.datatype not in _CONTENTS:
             raise ValueError(f"input tensor {t.name!r}: unknown datatype {t.datatype!r}")
+        spec = et.INPUTS_BY_NAME.get(t.name)     # unknown names: parse_inputs names them
+        if spec is not None and t.datatype != spec.datatype:
+            raise ValueError(f"input tensor {t.name!r} must be {spec.datatype}, got {t.datatype}")
         shape = tuple(int(d) for d in t.shape)
         if any(d < 0 for d in shape):
             raise ValueError(f"input tensor {t.name!r}: negative dimension in shape {list(shape)}")
