@@ -251,6 +251,19 @@ def test_grpc_and_http_share_one_engine(server, grpc_client, smollm2_llm):
     assert max(running) == 2                    # both requests in one engine's batch
 
 
+def test_pool_smaller_than_max_seq_len_limits_max_model_len(smollm2_engine):
+    """8 blocks of 16 tokens < max_seq_len 1024: /v1/models says 128 and a chat request without
+    max_tokens gets the room left in the pool (it was a 400 about max_tokens, never sent)."""
+    args = [a for a in ENGINE_ARGS if a != "512"]
+    args[args.index("--num-kv-blocks") + 1:args.index("--num-kv-blocks") + 1] = ["8"]
+    with ServerProcess(smollm2_engine, *args) as s:
+        with openai.OpenAI(base_url=f"http://{s.http}/v1", api_key="none", max_retries=0, timeout=120) as c:
+            assert c.models.list().data[0].model_extra["max_model_len"] == 128
+            r = c.chat.completions.create(model="smollm2", messages=MESSAGES, temperature=0)
+            assert r.choices[0].message.content and r.usage.prompt_tokens + r.usage.completion_tokens <= 128
+        assert s.stop() == 0
+
+
 # -- API key, TLS, queue full, shutdown ----------------------------------------------------
 @pytest.fixture(scope="module")
 def secure(smollm2_engine, tls_files):

@@ -247,6 +247,12 @@ class LLMEngine:
                 self.proposer.release(seq)
         return self._request_output(request, [(s, self._completion(s, [], "", [])) for s in request.seqs])
 
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output, tokens) this engine can run: ``max_seq_len``,
+        or the whole KV pool's tokens when the pool is smaller (vLLM's ``max_model_len``)."""
+        return min(self.scheduler_config.max_seq_len, self.kv.pool.num_blocks * self.block_size)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

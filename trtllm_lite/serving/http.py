@@ -176,7 +176,7 @@ class OpenAIServer:
     async def models(self):
         return {"object": "list", "data": [{
             "id": self.service.model_name, "object": "model", "created": int(time.time()), "owned_by": "trtllm-lite",
-            "max_model_len": self.service.llm.engine.scheduler_config.max_seq_len}]}
+            "max_model_len": self.service.llm.engine.max_model_len}]}
 
     async def tokenize(self, body: oa.TokenizeRequest):
         try:
@@ -190,7 +190,7 @@ class OpenAIServer:
                 raise ValueError("prompt or messages is required")
         except Exception as e:  # noqa: BLE001
             return error_response(e)
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.service.llm.engine.scheduler_config.max_seq_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.service.llm.engine.max_model_len}
 
     async def detokenize(self, body: oa.DetokenizeRequest):
         try:
@@ -259,7 +259,7 @@ class OpenAIServer:
         try:
             self._check_model(body.model)
             ids = self.service.chat_prompt(body.message_dicts(), body.add_generation_prompt)
-            room = self.service.llm.engine.scheduler_config.max_seq_len - len(ids)
+            room = self.service.llm.engine.max_model_len - len(ids)
             params = self.service.sampling_params(body.sampling_values(room))
             return await self._run(request, body, [ids], params, "chat", None)
         except Exception as e:  # noqa: BLE001

@@ -228,6 +228,12 @@ async def serve(config: ServerConfig, ready_file=None) -> int:
         addresses = await server.start()
         print(f"trtllm-lite serving {json.dumps(addresses)}", file=ready_file or sys.stdout, flush=True)
         log.info("serving %s as %r on %s", config.engine_dir, config.served_model_name, addresses)
+        engine = server.service.llm.engine
+        if engine.max_model_len < engine.scheduler_config.max_seq_len:
+            log.warning("the KV pool holds %d tokens, fewer than max_seq_len %d: requests are limited "
+                        "to %d tokens (prompt + output); give more --kv-cache-memory-bytes or "
+                        "--num-kv-blocks", engine.max_model_len, engine.scheduler_config.max_seq_len,
+                        engine.max_model_len)
         await stop.wait()
         log.info("shutting down (grace %.0f s)", config.shutdown_grace)
     finally:
