@@ -155,6 +155,19 @@ def test_error_statuses(server, oai, body, status, param):
     assert oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
+@pytest.mark.parametrize("route, body, param", [
+    ("completions", {"prompt": "Hi \ud800 there"}, "prompt"),                 # JSON's lone surrogate
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+])
+def test_text_that_is_not_unicode_is_400_naming_it(server, oai, route, body, param):
+    raw = ('{"model": "smollm2", "max_tokens": 2, ' + json.dumps(body)[1:]).encode()   # keeps the \ud800 escape
+    assert b"\\ud800" in raw
+    r = httpx.post(f"http://{server.http}/v1/{route}", content=raw, timeout=30, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "not valid Unicode" in r.json()["error"]["message"]
+    assert oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
 def test_bad_json_is_400(server):
     r = httpx.post(f"http://{server.http}/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})

@@ -48,8 +48,22 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, name: str = "prompt") -> list[int]:
+        """Token ids of ``text``.
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode (e.g. a lone surrogate from JSON's
+                ``"\ud800"``); the message names ``name``.
+        """
+        try:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{name} is not valid Unicode text ({e.reason} at character "
+                                 f"{e.start})") from None
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
