@@ -15,10 +15,10 @@ Schema (domain ``trtllm_lite``, version 1)::
       6 block_tables     [num_seqs, max_blocks_per_seq]   int64  logical -> physical block
       7 context_lens     [num_seqs]                       int64  tokens already cached before the step
       8 query_start_loc  [num_seqs + 1]                   int64  packed offsets of each sequence's tokens
-      9-13 (optional) the step's attention metadata, shared by every layer (like vLLM's
+      9-19 (optional) the step's attention metadata, shared by every layer (like vLLM's
            ``AttentionMetadata``): ``pad_index``, ``unpad_index``, ``ctx_block_ids``,
-           ``attn_bias`` and (for the decode path) ``decode_bias``, all functions of
-           inputs 6-8 (:func:`write_attention_metadata`)
+           ``attn_bias`` and (for the decode path) ``decode_bias`` and the ragged decode
+           tensors, all functions of inputs 6-8 (:func:`write_attention_metadata`)
     attributes
       num_heads, num_kv_heads (int), scale (float, usually head_dim ** -0.5)
     outputs
@@ -51,7 +51,10 @@ INPUT_NAMES = (
     "query", "key", "value", "key_cache", "value_cache",
     "slot_mapping", "block_tables", "context_lens", "query_start_loc",
 )
-METADATA_NAMES = ("pad_index", "unpad_index", "ctx_block_ids", "attn_bias", "decode_bias")
+METADATA_NAMES = ("pad_index", "unpad_index", "ctx_block_ids", "attn_bias", "decode_bias",
+                  "ragged_block_ids", "ragged_owner", "ragged_pad_map", "ragged_bias", "ragged_seg",
+                  "use_ragged")
+NUM_DECODE_METADATA = len(METADATA_NAMES)    # the ONNX Runtime graphs' decode path takes them all
 GQA_HEAD_DIM_MULTIPLE = 8   # ONNX Runtime's CPU GroupQueryAttention: head_size % 8 == 0
 
 
@@ -125,7 +128,18 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
                                          0 where query head h reads KV head h // G at a cached
                                          position < ctx_s or at the new token (the last), else -inf
 
-    ``decode_heads``: ``(num_heads, num_kv_heads)`` to also write ``decode_bias``.
+    With ``decode_heads``, also the ragged decode path's metadata over the NBt context blocks
+    the sequences really use (sequence-major; NonZero of ``j < ceil(ctx_s / B)``), no padding
+    to the longest context:
+
+        ragged_block_ids [NBt]            int64  physical block of ragged block b
+        ragged_owner     [NBt]            int64  its sequence
+        ragged_pad_map   [S, Mc]          int64  ragged index of (s, j), NBt where j is past s's blocks
+        ragged_bias      [NBt, H, B * Hkv]  float32  decode_bias's rule within block b
+        ragged_seg       [S, NBt]         float32  1 where block b belongs to sequence s
+        use_ragged       [1]              bool   NBt > 0 and padding would waste over 1/4 of S * Mc
+
+    ``decode_heads``: ``(num_heads, num_kv_heads)`` to also write the decode metadata.
     Returns the tensor names in :data:`METADATA_NAMES` order (four without ``decode_heads``).
     """
     import onnx
@@ -189,7 +203,46 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
     head_bias = w.const(np.where(head_ok, 0.0, -np.inf)[None], np.float32)         # [1, H, Hkv]
     head_rows = w.op("Tile", head_bias, w.op("Concat", one, one, w.op("Add", lc, one), axis=0))
     decode_bias = w.op("Add", pos_rows, head_rows)                                 # [S, H, L * Hkv]
-    return pad_index, unpad_index, ctx_block_ids, attn_bias, decode_bias
+    return (pad_index, unpad_index, ctx_block_ids, attn_bias, decode_bias,
+            *_write_ragged_metadata(w, ctx, ctx_block_ids, ctx_blocks, block_size, num_seqs, head_bias))
+
+
+def _write_ragged_metadata(w, ctx: str, ctx_block_ids: str, ctx_blocks: str, block_size: str,
+                           num_seqs: str, head_bias: str) -> tuple[str, ...]:
+    """The ragged decode path's metadata (see :func:`write_attention_metadata`)."""
+    import onnx
+
+    i64 = lambda v: w.const(v)  # noqa: E731
+    zero, one, zero_s, one_s = i64([0]), i64([1]), i64(0), i64(1)
+    blocks = w.op("Div", w.op("Add", ctx, w.op("Sub", block_size, one)), block_size)   # [S] ceil(ctx / B)
+    j = w.op("Range", zero_s, w.op("Squeeze", ctx_blocks, zero), one_s)                # [Mc]
+    used = w.op("Less", w.op("Unsqueeze", j, zero), w.op("Unsqueeze", blocks, one))     # [S, Mc]
+    used_flat = w.op("Reshape", used, i64([-1]))
+    flat = w.op("Squeeze", w.op("NonZero", used_flat), zero)                           # [NBt] = s * Mc + j
+    block_ids = w.op("Gather", w.op("Reshape", ctx_block_ids, i64([-1])), flat, axis=0)
+    owner = w.op("Div", flat, ctx_blocks)
+    first = w.op("Mul", w.op("Sub", flat, w.op("Mul", owner, ctx_blocks)), block_size)  # [NBt] first position
+    # row r of a block's B * Hkv rows holds position first + r // Hkv (built without a
+    # Reshape: ONNX Runtime folds one into a -1 shape that fails when NBt is 0)
+    num_kv_heads = w.op("Shape", head_bias, start=2, end=3)
+    row_width = w.op("Squeeze", w.op("Mul", block_size, num_kv_heads), zero)
+    row_pos = w.op("Div", w.op("Range", zero_s, row_width, one_s), num_kv_heads)        # [B * Hkv]
+    pos_ok = w.op("Less", w.op("Add", w.op("Unsqueeze", first, one), w.op("Unsqueeze", row_pos, zero)),
+                  w.op("Unsqueeze", w.op("Gather", ctx, owner, axis=0), one))           # [NBt, B * Hkv]
+    pos_rows = w.op("Where", w.op("Unsqueeze", pos_ok, one), w.const(0.0, np.float32),
+                    w.const(-np.inf, np.float32))                                      # [NBt, 1, B * Hkv]
+    head_rows = w.op("Tile", head_bias, w.op("Concat", one, one, block_size, axis=0))  # [1, H, B * Hkv]
+    ragged_bias = w.op("Add", pos_rows, head_rows)                                     # [NBt, H, B * Hkv]
+    num_ragged = w.op("Shape", flat)                                                   # [1] = NBt
+    ragged_index = w.op("Sub", w.op("CumSum", w.op("Cast", used_flat, to=onnx.TensorProto.INT64), zero), one_s)
+    pad_map = w.op("Where", used, w.op("Reshape", ragged_index, w.op("Shape", used)), num_ragged)  # [S, Mc]
+    seqs = w.op("Range", zero_s, w.op("Squeeze", num_seqs, zero), one_s)                # [S]
+    seg = w.op("Cast", w.op("Equal", w.op("Unsqueeze", seqs, one), w.op("Unsqueeze", owner, zero)),
+               to=onnx.TensorProto.FLOAT)                                              # [S, NBt]
+    padded = w.op("Mul", num_seqs, ctx_blocks)
+    use_ragged = w.op("And", w.op("Greater", num_ragged, zero),
+                      w.op("Less", w.op("Mul", num_ragged, i64([4])), w.op("Mul", padded, i64([3]))))
+    return block_ids, owner, pad_map, ragged_bias, seg, use_ragged
 
 
 def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str) -> None:
@@ -258,6 +311,54 @@ def _write_decode_attention(w, q, k, v, kc, vc, ctx_block_ids: str, decode_bias:
     sizes = w.op("Concat", w.op("Shape", k_ctx, start=1, end=2), w.op("Shape", k, start=1, end=2), axis=0)
     p_ctx, p_new = w.op("Split", probs, sizes, axis=2, outputs=2)
     w.op("Add", w.op("MatMul", p_ctx, v_ctx), w.op("MatMul", p_new, v), outputs=[output])
+
+
+def _write_ragged_decode_attention(w, q, k, v, kc, vc, metadata, heads: tuple[int, int, int],
+                                   scale: str, output: str) -> None:
+    """The decode path over ragged context blocks: every sequence computes one token and the
+    context lengths differ, so :func:`_write_decode_attention`'s padding to the longest
+    context would gather (and score) mostly empty rows.
+
+    Gathers only the NBt blocks the sequences use, ``[NBt, B * Hkv, D]`` in the pool's
+    layout, and scores each against its sequence's query (all heads, all rows, masked by
+    ``ragged_bias`` as in the padded decode path). The softmax spans blocks, so it is taken
+    in pieces, as split-KV decoding does (Dao et al., "Flash-Decoding for long-context
+    inference", 2023): a per-sequence max over the block maxes (through ``ragged_pad_map``),
+    exponentials and P @ V per block, and the per-sequence sums as ``ragged_seg @ x`` (a
+    small dense matmul: ONNX Runtime's CPU ScatterND with a reduction races on 2 threads).
+    The new token joins the sums as its own ``[S, H, Hkv]`` term::
+
+        s_b = q_owner(b) * scale @ K_b^T + ragged_bias_b          [NBt, H, B * Hkv]
+        m_s = max(max over blocks of s, max of the new token's scores)    [S, H]
+        out_s = (sum_b exp(s_b - m_s) @ V_b + exp(s_new - m_s) @ v) / (sum of the same exps)
+    """
+    block_ids, owner, pad_map, bias, seg = metadata
+    num_heads, num_kv_heads, head_dim = heads
+    i64 = lambda v: w.const(v)  # noqa: E731
+    rows = i64([0, -1, head_dim])
+    k_blocks = w.op("Reshape", w.op("Gather", kc, block_ids, axis=0), rows)          # [NBt, B*Hkv, D]
+    v_blocks = w.op("Reshape", w.op("Gather", vc, block_ids, axis=0), rows)
+    q_scaled = w.op("Mul", q, scale)                                                 # [S, H, D]
+    transposed = lambda x: w.op("Transpose", x, perm=[0, 2, 1])  # noqa: E731  (folds into the MatMul)
+    s_blocks = w.op("Add", w.op("MatMul", w.op("Gather", q_scaled, owner, axis=0), transposed(k_blocks)), bias)
+    group = num_heads // num_kv_heads
+    own_head = np.arange(num_heads)[:, None] // group == np.arange(num_kv_heads)[None, :]
+    s_new = w.op("Add", w.op("MatMul", q_scaled, transposed(k)),
+                 w.const(np.where(own_head, 0.0, -np.inf)[None], np.float32))      # [S, H, Hkv]
+    last, middle = i64([2]), i64([1])
+    block_max = w.op("ReduceMax", s_blocks, last, keepdims=0)                        # [NBt, H]
+    no_block = w.const(np.full((1, num_heads), -np.inf), np.float32)
+    padded_max = w.op("Gather", w.op("Concat", block_max, no_block, axis=0), pad_map, axis=0)   # [S, Mc, H]
+    m = w.op("Max", w.op("ReduceMax", padded_max, middle, keepdims=0),
+             w.op("ReduceMax", s_new, last, keepdims=0))                             # [S, H]
+    e_blocks = w.op("Exp", w.op("Sub", s_blocks, w.op("Unsqueeze", w.op("Gather", m, owner, axis=0), last)))
+    e_new = w.op("Exp", w.op("Sub", s_new, w.op("Unsqueeze", m, last)))               # [S, H, Hkv]
+    o_blocks = w.op("Reshape", w.op("MatMul", e_blocks, v_blocks), i64([0, -1]))     # [NBt, H*D]
+    o = w.op("Add", w.op("Reshape", w.op("MatMul", seg, o_blocks), i64([0, num_heads, head_dim])),
+             w.op("MatMul", e_new, v))                                               # [S, H, D]
+    total = w.op("Add", w.op("MatMul", seg, w.op("ReduceSum", e_blocks, last, keepdims=0)),
+                 w.op("ReduceSum", e_new, last, keepdims=0))                         # [S, H]
+    w.op("Div", o, w.op("Unsqueeze", total, last), outputs=[output])
 
 
 def _write_one_sequence_attention(w, q, k, v, kc, vc, ctx, ctx_block_ids: str, heads: tuple[int, int, int],
@@ -339,9 +440,10 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
             the graph) and its reshapes use constants, so a layer's attention is about 30
             ops. ``None``: the self-contained 9-input body (computes its own metadata and
             reads the sizes from the inputs' shapes).
-        decode_path: with ``heads``, also take ``decode_bias`` (input 13) and pick the kernel
-            by the step's shape (``If`` nodes): :func:`_write_decode_attention` when every
-            sequence computes one token (``T == S``), :func:`_write_one_sequence_attention`
+        decode_path: with ``heads``, also take the decode metadata (inputs 13-19) and pick
+            the kernel by the step's shape (``If`` nodes): when every sequence computes one
+            token (``T == S``), :func:`_write_ragged_decode_attention` if ``use_ragged`` (the
+            contexts differ enough) else :func:`_write_decode_attention`; :func:`_write_one_sequence_attention`
             (ONNX Runtime's GroupQueryAttention; only when ``head_dim`` is a multiple of 8,
             which its CPU kernel requires) for one sequence computing several, the general
             body otherwise. For ONNX Runtime's float32 graphs (measured there).
@@ -360,7 +462,7 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
         dims["group"] = w.op("Div", dims["heads"], kv_heads)
         metadata = write_attention_metadata(w, bt, ctx, qsl, w.op("Shape", kc, start=1, end=2), dims["group"])
     else:
-        inputs = list(INPUT_NAMES + METADATA_NAMES[:5 if decode_path else 4])
+        inputs = list(INPUT_NAMES + METADATA_NAMES[:NUM_DECODE_METADATA if decode_path else 4])
         num_heads, num_kv_heads, head_dim = heads
         dims = {"heads": w.const([num_heads]), "kv_heads": w.const([num_kv_heads]),
                 "group": w.const([num_heads // num_kv_heads]), "head_dim": w.const([head_dim])}
@@ -372,10 +474,16 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
         # up to three kernels, picked by the step's shape: decode (T == S), one sequence
         # computing several tokens (S == 1; ONNX Runtime's GroupQueryAttention, whose CPU
         # kernel needs head_dim % 8 == 0), the general body
-        general, decode = NodeWriter("pa_gen_"), NodeWriter("pa_dec_")
+        general, padded, ragged = NodeWriter("pa_gen_"), NodeWriter("pa_dec_"), NodeWriter("pa_rag_")
         _write_attention(general, q, k, v, kc, vc, metadata, dims, scale, "pa_gen_output")
-        _write_decode_attention(decode, q, k, v, kc, vc, "ctx_block_ids", "decode_bias",
+        _write_decode_attention(padded, q, k, v, kc, vc, "ctx_block_ids", "decode_bias",
                                 dims["head_dim"], scale, "pa_dec_output")
+        _write_ragged_decode_attention(ragged, q, k, v, kc, vc, METADATA_NAMES[5:10], heads, scale,
+                                       "pa_rag_output")
+        decode = NodeWriter("pa_decode_")
+        decode.op("If", "use_ragged", outputs=["pa_decode_output"],
+                  then_branch=_branch(ragged, "ragged_decode", "pa_rag_output"),
+                  else_branch=_branch(padded, "padded_decode", "pa_dec_output"))
         num_tokens, num_seqs = w.op("Shape", q, start=0, end=1), w.op("Shape", ctx)
         not_decode, not_decode_out = general, "pa_gen_output"
         if heads[2] % GQA_HEAD_DIM_MULTIPLE == 0:
@@ -385,7 +493,7 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
                           then_branch=_branch(one_seq, "one_sequence", "pa_gqa_output"),
                           else_branch=_branch(general, "general", "pa_gen_output"))
         w.op("If", w.op("Equal", num_tokens, num_seqs), outputs=["output"],
-             then_branch=_branch(decode, "decode", "pa_dec_output"),
+             then_branch=_branch(decode, "decode", "pa_decode_output"),
              else_branch=_branch(not_decode, "prefill", not_decode_out))
     opsets = [helper.make_opsetid("", opset or OPSET)]
     if heads is not None and decode_path:

@@ -86,6 +86,9 @@ CASES = [
     (4, 1, 8, 4, [0, 9, 30], [3, 3, 3]),             # equal lengths, several sequences, MQA
     (4, 2, 12, 4, [7], [5]),                         # head_dim 12: GroupQueryAttention cannot, general body
     (4, 4, 20, 4, [9, 2], [1, 1]),                   # head_dim 20, decode
+    (9, 3, 64, 16, [40, 41, 47], [1, 1, 1]),         # decode, equal block counts: padded decode
+    (4, 2, 8, 4, [0, 0], [1, 1]),                    # decode of 1-token prompts: no cached block
+    (6, 2, 16, 4, [1, 30, 4, 64, 13], [1] * 5),     # decode, ragged contexts: ragged decode
 ]
 
 
@@ -94,9 +97,10 @@ CASES = [
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", CASES)
 def test_function_body_matches_reference(heads, kv_heads, head_dim, block_size, ctx, qlens, metadata,
                                          decode_path):
-    """Every body against the reference; with ``decode_path`` the all-decode cases run the
-    decode branch, the one-sequence ones GroupQueryAttention and the others the general
-    body."""
+    """Every body against the reference; with ``decode_path`` the all-decode cases run a
+    decode branch (ragged when padding to the longest context would waste a quarter of the
+    blocks, else padded), the one-sequence ones GroupQueryAttention and the others the
+    general body."""
     rng = np.random.default_rng(0)
     step = random_step(rng, ctx, qlens, heads, kv_heads, head_dim, block_size)
     sess = single_op_session(heads, kv_heads, head_dim, metadata, decode_path)

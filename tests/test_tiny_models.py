@@ -70,3 +70,27 @@ def test_lone_prompt_in_chunks_matches_hf(tiny_model, kind):
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert out.outputs[0].token_ids == ref
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+def test_group_by_query_length_partitions_and_bounds_padding():
+    """Every sequence lands in exactly one call, each call's padding stays within the
+    bound, and decodes ride with a short draft verification but not with prompt chunks."""
+    from trtllm_lite.runners.base import group_by_query_length
+
+    def seq(ctx, q):
+        return ScheduledSeq(list(range(ctx + q)), [0] * (-(-(ctx + q) // 16)), ctx, q)
+
+    def padding(group, seqs):
+        q = max(seqs[i].num_new_tokens for i in group)
+        keys = max(seqs[i].start + seqs[i].num_new_tokens for i in group)
+        return (len(group) * q - sum(seqs[i].num_new_tokens for i in group)) * keys
+
+    rng = np.random.default_rng(0)
+    seqs = [seq(int(c), int(q)) for c, q in zip(rng.integers(0, 700, 40), rng.choice([1, 1, 1, 5, 64, 128, 512], 40))]
+    groups = group_by_query_length(seqs)
+    assert sorted(i for g in groups for i in g) == list(range(len(seqs)))
+    assert all(padding(g, seqs) <= 1 << 14 for g in groups if len(g) > 1)
+    prompts = [seq(0, 128)] * 4 + [seq(200, 1)]
+    assert len(group_by_query_length(prompts)) == 2
+    verify = [seq(100, 5)] + [seq(100, 1)] * 3
+    assert len(group_by_query_length(verify)) == 1
