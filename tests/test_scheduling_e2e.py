@@ -155,13 +155,15 @@ def test_prompt_larger_than_pool_is_refused(configure):
 
 
 def test_cpu_token_budget_default_and_overrides(smollm2_llm, smollm2_engine):
-    """The CPU backend's budget defaults to 512 (engine built with 1024): a 700-token prompt
-    takes two prefill steps; without chunked prefill the build value stays, so it fits one."""
-    from trtllm_lite.core.llm_engine import CPU_MAX_NUM_BATCHED_TOKENS, LLMEngine
+    """The CPU backend's budget defaults to 512 for serving (engine built with 1024): a
+    700-token prompt takes two prefill steps; the offline ``LLM`` takes the build value (its
+    cap is 2048), and so does an engine without chunked prefill: one step."""
+    from trtllm_lite.core.llm_engine import (CPU_MAX_NUM_BATCHED_TOKENS, CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS,
+                                             LLMEngine)
 
-    engine = smollm2_llm.engine
-    assert engine.engine.build["max_num_batched_tokens"] == 1024
-    assert engine.scheduler_config.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS == 512
+    offline = smollm2_llm.engine
+    assert offline.engine.build["max_num_batched_tokens"] == 1024 < CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert offline.scheduler_config.max_num_batched_tokens == 1024
     prompt = list(np.random.default_rng(7).integers(1000, 40000, 700))
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -174,7 +176,11 @@ def test_cpu_token_budget_default_and_overrides(smollm2_llm, smollm2_engine):
         assert e.kv.pool.num_used == 0
         return steps
 
-    assert steps_to_finish(engine) == 2
+    assert steps_to_finish(offline) == 1
+    serving = LLMEngine(smollm2_engine, num_kv_blocks=64, verify_checksums=False, enable_prefix_caching=False)
+    assert serving.scheduler_config.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS == 512
+    assert steps_to_finish(serving) == 2
+    del serving
     whole = LLMEngine(smollm2_engine, num_kv_blocks=64, verify_checksums=False,
                       enable_chunked_prefill=False, enable_prefix_caching=False)
     assert whole.scheduler_config.max_num_batched_tokens == 1024

@@ -155,7 +155,9 @@ class Report:
         for k, w in rows:
             x = self.get(k, w)
             if x:
-                how = " (static batches of 64, padded)" if k == "hf" else (" (inflight batching)" if k.startswith("ours") else "")
+                budget = self.get(k, "offline_max_num_batched_tokens")
+                ours = f" (inflight batching, offline budget {budget} tokens)" if budget else " (inflight batching)"
+                how = " (static batches of 64, padded)" if k == "hf" else (ours if k.startswith("ours") else "")
                 L.append(f"| {NAMES[k]}{how} | {labels[w]} | {_fmt(x['output_tokens_per_s'])} | "
                          f"{_fmt(x['total_tokens_per_s'])} | {_fmt(x['wall_s'])} |")
         L += ["", "### Concurrency sweep (128 in / 64 out; 2 x concurrency requests, at least 4)", "",

@@ -26,7 +26,7 @@ def peak_rss_bytes() -> int:
 
 def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
     from trtllm_lite.commands.bench import greedy_ids, measure_latency, run_requests
-    from trtllm_lite.core.llm_engine import LLMEngine
+    from trtllm_lite.core.llm_engine import LLMEngine, default_max_num_batched_tokens
 
     engine = LLMEngine(engine_path, num_threads=spec["threads"], verify_checksums=False,
                        enable_prefix_caching=False, kv_cache_memory_bytes=spec["kv_cache_bytes"])
@@ -38,9 +38,16 @@ def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
             out["decode_tokens_per_s"] = lat["decode_tokens_per_s"]
             out["host_overhead_batch1"] = lat["host_overhead"]
     if full:
+        # offline throughput runs with the offline LLM class's token budget, the latency and
+        # concurrency (serving) figures with the server's (one engine, so one peak RSS)
+        serving_budget = engine.scheduler_config.max_num_batched_tokens
+        engine.scheduler_config.max_num_batched_tokens = default_max_num_batched_tokens(
+            engine.engine.build, engine.scheduler_config.max_num_seqs, offline=True)
+        out["offline_max_num_batched_tokens"] = engine.scheduler_config.max_num_batched_tokens
         for name in ("random", "equal"):
             w = spec[name]
             out[name] = run_requests(engine, w["prompts"], w["max_tokens"], len(w["prompts"])).to_dict()
+        engine.scheduler_config.max_num_batched_tokens = serving_budget
         out["sweep"] = []
         for c in spec["sweep"]["concurrency"]:
             n = max(2 * c, 4)

@@ -9,10 +9,13 @@ from .sampling_params import SamplingParams
 class LLM:
     """Load an engine and generate from batches of prompts with inflight batching.
 
-    ``LLM(engine_dir, **options)``; options as :class:`~trtllm_lite.core.llm_engine.LLMEngine`.
+    ``LLM(engine_dir, **options)``; options as :class:`~trtllm_lite.core.llm_engine.LLMEngine`,
+    with ``offline=True`` by default (vLLM's LLM class likewise takes a larger token budget
+    than its server).
     """
 
     def __init__(self, engine_dir: str, **options):
+        options.setdefault("offline", True)
         self.engine = LLMEngine(engine_dir, **options)
 
     @property

@@ -18,14 +18,28 @@ from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, SequenceStatus
 from ..spec_decode.config import SpeculativeConfig
 
-# The CPU graphs' attention computes each prompt chunk's full (chunk x context) score matrix,
-# masked: smaller chunks waste less and stay in cache. SmolLM2 fp32, 2 cores, budget 512 vs
-# 2048: TTFT of a 2048-token prompt 2.1-2.4 s vs 3.1-3.3 s; 64 random-length requests
-# 155 vs 139 output tokens/s (256 was no better, 128 worse: more steps, each a weight pass).
-# Measured with the general attention body; a lone prompt's chunks now run GroupQueryAttention,
-# which also scores each chunk against its whole context (TTFT at 2048 tokens ~2.0 s at 512).
+# The ONNX Runtime CPU backend's token budget per step, as vLLM sets its defaults by usage
+# (server vs the offline LLM class). Serving: a step's prompt chunks delay every running
+# decode of that step, so the budget bounds the TPOT stall (~0.35 s at 512 on SmolLM2 fp32,
+# 2 cores; ~1.6 s at 2048). Offline: fewer, fuller steps win. Measured with the current
+# graphs (GroupQueryAttention for lone prompts, ragged decode): TTFT of a 2048-token prompt
+# ~2.0-2.2 s at 512, 1024 and 2048 alike; 64 x 128/128 requests 22.3 s at 512 vs 20.7-20.9 s
+# at 2048; 64 random-length requests 205 vs 216 output tokens/s. (With the earlier general
+# body for every prompt, 512 was the faster: 155 vs 139 tokens/s.)
 CPU_MAX_NUM_BATCHED_TOKENS = 512
+CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+
+
+def default_max_num_batched_tokens(build: dict, max_num_seqs: int, offline: bool = False) -> int:
+    """The token budget an engine uses when not given one (chunked prefill on): the build
+    value, capped on the ONNX Runtime CPU backend at :data:`CPU_MAX_NUM_BATCHED_TOKENS`
+    (serving) or :data:`CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS` (``offline``), never below
+    ``max_num_seqs`` (every running sequence's decode fits one step)."""
+    if build.get("backend", "onnxruntime") != "onnxruntime":
+        return build["max_num_batched_tokens"]
+    cap = CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS if offline else CPU_MAX_NUM_BATCHED_TOKENS
+    return min(build["max_num_batched_tokens"], max(cap, max_num_seqs))
 
 
 class LLMEngine:
@@ -36,7 +50,8 @@ class LLMEngine:
         max_num_seqs, max_num_batched_tokens, max_seq_len: scheduling limits; upper bound
             and default are the engine's build values, except ``max_num_batched_tokens`` on
             the ONNX Runtime CPU backend with chunked prefill, which defaults to at most
-            :data:`CPU_MAX_NUM_BATCHED_TOKENS` (measured faster, see its note).
+            :data:`CPU_MAX_NUM_BATCHED_TOKENS`, or :data:`CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS`
+            with ``offline`` (see their note; :func:`default_max_num_batched_tokens`).
         kv_cache_memory_bytes: memory for the K and V pools (bytes; default 1 GiB, capped at
             what ``max_num_seqs`` sequences of ``max_seq_len`` tokens can use).
         num_kv_blocks: pool size in blocks, overriding ``kv_cache_memory_bytes``.
@@ -48,6 +63,8 @@ class LLMEngine:
         verify_checksums: check every engine file's sha256 on load.
         speculative_config: speculative decoding (see :class:`SpeculativeConfig`), e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4}``; None turns it off.
+        offline: batch use (the :class:`~trtllm_lite.llm.LLM` class): defaults favour
+            throughput over per-token latency (the CPU token budget).
 
     Raises:
         EngineError: the engine directory is missing, of another format, or corrupted.
@@ -60,7 +77,7 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  max_waiting: int = 1 << 20, num_threads: int | None = None,
                  seed: int | None = None, verify_checksums: bool = True,
-                 speculative_config: "SpeculativeConfig | dict | None" = None):
+                 speculative_config: "SpeculativeConfig | dict | None" = None, offline: bool = False):
         self.engine = load_engine_dir(engine_dir, verify_checksums=verify_checksums)
         build, model = self.engine.build, self.engine.model
         self.model_config = model
@@ -71,10 +88,8 @@ class LLMEngine:
             if value is not None and not 1 <= value <= build[name]:
                 raise ValueError(f"{name} must be in [1, {build[name]}] (the engine's build value), got {value}")
             limits[name] = value or build[name]
-        if (max_num_batched_tokens is None and enable_chunked_prefill
-                and build.get("backend", "onnxruntime") == "onnxruntime"):
-            limits["max_num_batched_tokens"] = min(build["max_num_batched_tokens"],
-                                                   max(CPU_MAX_NUM_BATCHED_TOKENS, limits["max_num_seqs"]))
+        if max_num_batched_tokens is None and enable_chunked_prefill:
+            limits["max_num_batched_tokens"] = default_max_num_batched_tokens(build, limits["max_num_seqs"], offline)
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.scheduler_config = SchedulerConfig(enable_chunked_prefill=enable_chunked_prefill,
