@@ -138,9 +138,17 @@ class DecoderGraphWriter:
         if q.offsets is None:
             return self.w.op("MatMulNBits", *args, outputs=outputs, **attrs)
         y = self.w.op("MatMulNBits", *args, **attrs)
-        blocks = self.w.op("Reshape", x, self.w.const([-1, q.num_offset_blocks, q.block_size]))
-        sums = self.w.op("ReduceSum", blocks, self.w.const([-1]), keepdims=0)    # [T, blocks]
+        sums = self.w.op("MatMul", x, self.block_sum_matrix(q.num_offset_blocks, q.block_size))  # [T, blocks]
         return self.w.op("Gemm", sums, self.weight(name + ".offsets"), y, transB=1, outputs=outputs)
+
+    def block_sum_matrix(self, num_blocks: int, block_size: int) -> str:
+        """``[num_blocks * block_size, num_blocks]`` float32 of 0/1: ``x @ it`` sums each
+        block of ``x``'s columns (one MatMul where Reshape + ReduceSum were two ops per
+        linear; shared by every linear of that width)."""
+        name = f"block_sum.{num_blocks}x{block_size}"
+        if not self.has(name):
+            self.weights.add(name, np.repeat(np.eye(num_blocks, dtype=np.float32), block_size, axis=0))
+        return self.weight(name)
 
     def norm(self, x: str, prefix: str) -> str:
         w, eps = self.w, self.c.norm_eps

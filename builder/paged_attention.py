@@ -15,10 +15,10 @@ Schema (domain ``trtllm_lite``, version 1)::
       6 block_tables     [num_seqs, max_blocks_per_seq]   int64  logical -> physical block
       7 context_lens     [num_seqs]                       int64  tokens already cached before the step
       8 query_start_loc  [num_seqs + 1]                   int64  packed offsets of each sequence's tokens
-      9-19 (optional) the step's attention metadata, shared by every layer (like vLLM's
+      9-22 (optional) the step's attention metadata, shared by every layer (like vLLM's
            ``AttentionMetadata``): ``pad_index``, ``unpad_index``, ``ctx_block_ids``,
-           ``attn_bias`` and (for the decode path) ``decode_bias`` and the ragged decode
-           tensors, all functions of inputs 6-8 (:func:`write_attention_metadata`)
+           ``attn_bias`` and (ONNX Runtime's decode path) the decode tensors and the kernel
+           choice, all functions of inputs 6-8 (:func:`write_attention_metadata`)
     attributes
       num_heads, num_kv_heads (int), scale (float, usually head_dim ** -0.5)
     outputs
@@ -51,9 +51,9 @@ INPUT_NAMES = (
     "query", "key", "value", "key_cache", "value_cache",
     "slot_mapping", "block_tables", "context_lens", "query_start_loc",
 )
-METADATA_NAMES = ("pad_index", "unpad_index", "ctx_block_ids", "attn_bias", "decode_bias",
-                  "ragged_block_ids", "ragged_owner", "ragged_pad_map", "ragged_bias", "ragged_seg",
-                  "use_ragged")
+RAGGED_NAMES = ("ragged_block_ids", "ragged_owner", "ragged_pad_map", "ragged_bias", "ragged_seg")
+METADATA_NAMES = ("pad_index", "unpad_index", "ctx_block_ids", "attn_bias", "decode_bias", "decode_split",
+                  *RAGGED_NAMES, "use_padded_decode", "is_decode", "is_one_sequence")
 NUM_DECODE_METADATA = len(METADATA_NAMES)    # the ONNX Runtime graphs' decode path takes them all
 GQA_HEAD_DIM_MULTIPLE = 8   # ONNX Runtime's CPU GroupQueryAttention: head_size % 8 == 0
 
@@ -127,6 +127,7 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
                                          decode path's bias over (position, KV head) pairs:
                                          0 where query head h reads KV head h // G at a cached
                                          position < ctx_s or at the new token (the last), else -inf
+        decode_split   [2]               int64  [Mc * B * Hkv, Hkv]: its cached and new columns
 
     With ``decode_heads``, also the ragged decode path's metadata over the NBt context blocks
     the sequences really use (sequence-major; NonZero of ``j < ceil(ctx_s / B)``), no padding
@@ -137,7 +138,13 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
         ragged_pad_map   [S, Mc]          int64  ragged index of (s, j), NBt where j is past s's blocks
         ragged_bias      [NBt, H, B * Hkv]  float32  decode_bias's rule within block b
         ragged_seg       [S, NBt]         float32  1 where block b belongs to sequence s
-        use_ragged       [1]              bool   NBt > 0 and padding would waste over 1/4 of S * Mc
+
+    and the kernel choice, made once per step instead of per layer (``If`` conditions):
+
+        use_padded_decode [1]  bool  T == S and not ragged, where ragged = NBt > 0 and padding
+                                     to the longest context would waste over 1/4 of S * Mc
+        is_decode         [1]  bool  T == S (every sequence computes one token)
+        is_one_sequence   [1]  bool  S == 1
 
     ``decode_heads``: ``(num_heads, num_kv_heads)`` to also write the decode metadata.
     Returns the tensor names in :data:`METADATA_NAMES` order (four without ``decode_heads``).
@@ -203,13 +210,20 @@ def write_attention_metadata(w, block_tables: str, context_lens: str, query_star
     head_bias = w.const(np.where(head_ok, 0.0, -np.inf)[None], np.float32)         # [1, H, Hkv]
     head_rows = w.op("Tile", head_bias, w.op("Concat", one, one, w.op("Add", lc, one), axis=0))
     decode_bias = w.op("Add", pos_rows, head_rows)                                 # [S, H, L * Hkv]
-    return (pad_index, unpad_index, ctx_block_ids, attn_bias, decode_bias,
-            *_write_ragged_metadata(w, ctx, ctx_block_ids, ctx_blocks, block_size, num_seqs, head_bias))
+    *ragged, ragged_pays = _write_ragged_metadata(w, ctx, ctx_block_ids, ctx_blocks, block_size, num_seqs,
+                                                  head_bias)
+    is_decode = w.op("Equal", num_tokens, num_seqs)
+    use_padded_decode = w.op("And", is_decode, w.op("Not", ragged_pays))
+    is_one_sequence = w.op("Equal", num_seqs, one)
+    decode_split = w.op("Concat", w.op("Mul", lc, i64([num_kv_heads])), i64([num_kv_heads]), axis=0)
+    return (pad_index, unpad_index, ctx_block_ids, attn_bias, decode_bias, decode_split, *ragged,
+            use_padded_decode, is_decode, is_one_sequence)
 
 
 def _write_ragged_metadata(w, ctx: str, ctx_block_ids: str, ctx_blocks: str, block_size: str,
                            num_seqs: str, head_bias: str) -> tuple[str, ...]:
-    """The ragged decode path's metadata (see :func:`write_attention_metadata`)."""
+    """The ragged decode path's metadata (see :func:`write_attention_metadata`) and whether
+    it pays: NBt > 0 and padding would waste over a quarter of the blocks."""
     import onnx
 
     i64 = lambda v: w.const(v)  # noqa: E731
@@ -240,9 +254,9 @@ def _write_ragged_metadata(w, ctx: str, ctx_block_ids: str, ctx_blocks: str, blo
     seg = w.op("Cast", w.op("Equal", w.op("Unsqueeze", seqs, one), w.op("Unsqueeze", owner, zero)),
                to=onnx.TensorProto.FLOAT)                                              # [S, NBt]
     padded = w.op("Mul", num_seqs, ctx_blocks)
-    use_ragged = w.op("And", w.op("Greater", num_ragged, zero),
-                      w.op("Less", w.op("Mul", num_ragged, i64([4])), w.op("Mul", padded, i64([3]))))
-    return block_ids, owner, pad_map, ragged_bias, seg, use_ragged
+    pays = w.op("And", w.op("Greater", num_ragged, zero),
+                w.op("Less", w.op("Mul", num_ragged, i64([4])), w.op("Mul", padded, i64([3]))))
+    return block_ids, owner, pad_map, ragged_bias, seg, pays
 
 
 def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str) -> None:
@@ -284,8 +298,8 @@ def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str
     w.op("Gather", o_pad, unpad_index, axis=0, outputs=[output])
 
 
-def _write_decode_attention(w, q, k, v, kc, vc, ctx_block_ids: str, decode_bias: str, head_dim: str,
-                            scale: str, output: str) -> None:
+def _write_decode_attention(w, q, k, v, kc, vc, ctx_block_ids: str, decode_bias: str, decode_split: str,
+                            head_dim: str, scale: str, output: str) -> None:
     """The decode path: every sequence computes one token (``T == S``), the common step.
 
     The gathered blocks stay in the pool's layout, ``[S, Lc * Hkv, D]`` (position-major,
@@ -308,8 +322,7 @@ def _write_decode_attention(w, q, k, v, kc, vc, ctx_block_ids: str, decode_bias:
     scores = w.op("Concat", w.op("MatMul", q_scaled, transposed(k_ctx)),
                   w.op("MatMul", q_scaled, transposed(k)), axis=2)                  # [S, H, (Lc+1)*Hkv]
     probs = w.op("Softmax", w.op("Add", scores, decode_bias), axis=-1)
-    sizes = w.op("Concat", w.op("Shape", k_ctx, start=1, end=2), w.op("Shape", k, start=1, end=2), axis=0)
-    p_ctx, p_new = w.op("Split", probs, sizes, axis=2, outputs=2)
+    p_ctx, p_new = w.op("Split", probs, decode_split, axis=2, outputs=2)
     w.op("Add", w.op("MatMul", p_ctx, v_ctx), w.op("MatMul", p_new, v), outputs=[output])
 
 
@@ -440,10 +453,10 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
             the graph) and its reshapes use constants, so a layer's attention is about 30
             ops. ``None``: the self-contained 9-input body (computes its own metadata and
             reads the sizes from the inputs' shapes).
-        decode_path: with ``heads``, also take the decode metadata (inputs 13-19) and pick
+        decode_path: with ``heads``, also take the decode metadata (inputs 13-22) and pick
             the kernel by the step's shape (``If`` nodes): when every sequence computes one
-            token (``T == S``), :func:`_write_ragged_decode_attention` if ``use_ragged`` (the
-            contexts differ enough) else :func:`_write_decode_attention`; :func:`_write_one_sequence_attention`
+            token (``T == S``), :func:`_write_decode_attention` or, when the contexts differ
+            enough, :func:`_write_ragged_decode_attention`; :func:`_write_one_sequence_attention`
             (ONNX Runtime's GroupQueryAttention; only when ``head_dim`` is a multiple of 8,
             which its CPU kernel requires) for one sequence computing several, the general
             body otherwise. For ONNX Runtime's float32 graphs (measured there).
@@ -471,30 +484,29 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
     if heads is None or not decode_path:
         _write_attention(w, q, k, v, kc, vc, metadata, dims, scale, "output")
     else:
-        # up to three kernels, picked by the step's shape: decode (T == S), one sequence
-        # computing several tokens (S == 1; ONNX Runtime's GroupQueryAttention, whose CPU
-        # kernel needs head_dim % 8 == 0), the general body
+        # the kernel, by the step's shape (conditions from the metadata, one If on the
+        # common batch-1 / equal-context decode): padded decode, else ragged decode (T == S),
+        # else one sequence computing several tokens (S == 1; ONNX Runtime's
+        # GroupQueryAttention, whose CPU kernel needs head_dim % 8 == 0), else the general body
         general, padded, ragged = NodeWriter("pa_gen_"), NodeWriter("pa_dec_"), NodeWriter("pa_rag_")
         _write_attention(general, q, k, v, kc, vc, metadata, dims, scale, "pa_gen_output")
-        _write_decode_attention(padded, q, k, v, kc, vc, "ctx_block_ids", "decode_bias",
+        _write_decode_attention(padded, q, k, v, kc, vc, "ctx_block_ids", "decode_bias", "decode_split",
                                 dims["head_dim"], scale, "pa_dec_output")
-        _write_ragged_decode_attention(ragged, q, k, v, kc, vc, METADATA_NAMES[5:10], heads, scale,
-                                       "pa_rag_output")
-        decode = NodeWriter("pa_decode_")
-        decode.op("If", "use_ragged", outputs=["pa_decode_output"],
-                  then_branch=_branch(ragged, "ragged_decode", "pa_rag_output"),
-                  else_branch=_branch(padded, "padded_decode", "pa_dec_output"))
-        num_tokens, num_seqs = w.op("Shape", q, start=0, end=1), w.op("Shape", ctx)
-        not_decode, not_decode_out = general, "pa_gen_output"
+        _write_ragged_decode_attention(ragged, q, k, v, kc, vc, RAGGED_NAMES, heads, scale, "pa_rag_output")
+        prefill, prefill_out = general, "pa_gen_output"
         if heads[2] % GQA_HEAD_DIM_MULTIPLE == 0:
-            one_seq, not_decode, not_decode_out = NodeWriter("pa_gqa_"), NodeWriter("pa_pre_"), "pa_pre_output"
+            one_seq, prefill, prefill_out = NodeWriter("pa_gqa_"), NodeWriter("pa_pre_"), "pa_pre_output"
             _write_one_sequence_attention(one_seq, q, k, v, kc, vc, ctx, "ctx_block_ids", heads, "pa_gqa_output")
-            not_decode.op("If", w.op("Equal", num_seqs, w.const([1])), outputs=[not_decode_out],
-                          then_branch=_branch(one_seq, "one_sequence", "pa_gqa_output"),
-                          else_branch=_branch(general, "general", "pa_gen_output"))
-        w.op("If", w.op("Equal", num_tokens, num_seqs), outputs=["output"],
-             then_branch=_branch(decode, "decode", "pa_decode_output"),
-             else_branch=_branch(not_decode, "prefill", not_decode_out))
+            prefill.op("If", "is_one_sequence", outputs=[prefill_out],
+                       then_branch=_branch(one_seq, "one_sequence", "pa_gqa_output"),
+                       else_branch=_branch(general, "general", "pa_gen_output"))
+        rest = NodeWriter("pa_rest_")
+        rest.op("If", "is_decode", outputs=["pa_rest_output"],
+                then_branch=_branch(ragged, "ragged_decode", "pa_rag_output"),
+                else_branch=_branch(prefill, "prefill", prefill_out))
+        w.op("If", "use_padded_decode", outputs=["output"],
+             then_branch=_branch(padded, "padded_decode", "pa_dec_output"),
+             else_branch=_branch(rest, "not_padded_decode", "pa_rest_output"))
     opsets = [helper.make_opsetid("", opset or OPSET)]
     if heads is not None and decode_path:
         opsets.append(helper.make_opsetid("com.microsoft", 1))
