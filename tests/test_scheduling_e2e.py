@@ -156,13 +156,13 @@ def test_prompt_larger_than_pool_is_refused(configure):
 
 def test_cpu_token_budget_default_and_overrides(smollm2_llm, smollm2_engine):
     """The CPU backend's budget defaults to 512 for serving (engine built with 1024): a
-    700-token prompt takes two prefill steps; the offline ``LLM`` takes the build value (its
-    cap is 2048), and so does an engine without chunked prefill: one step."""
+    700-token prompt takes two prefill steps; the offline ``LLM`` takes 1024 (its cap, here
+    also the build value), and so does an engine without chunked prefill: one step."""
     from trtllm_lite.core.llm_engine import (CPU_MAX_NUM_BATCHED_TOKENS, CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS,
                                              LLMEngine)
 
     offline = smollm2_llm.engine
-    assert offline.engine.build["max_num_batched_tokens"] == 1024 < CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert offline.engine.build["max_num_batched_tokens"] == 1024 == CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS
     assert offline.scheduler_config.max_num_batched_tokens == 1024
     prompt = list(np.random.default_rng(7).integers(1000, 40000, 700))
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -185,3 +185,15 @@ def test_cpu_token_budget_default_and_overrides(smollm2_llm, smollm2_engine):
                       enable_chunked_prefill=False, enable_prefix_caching=False)
     assert whole.scheduler_config.max_num_batched_tokens == 1024
     assert steps_to_finish(whole) == 1
+
+
+@pytest.mark.parametrize("name", ["max_num_seqs", "max_num_batched_tokens", "max_seq_len"])
+@pytest.mark.parametrize("value", [0, -1, 10**9, "512", 2.5, 512.0, True])
+def test_engine_limits_must_be_integers_in_range(smollm2_engine, name, value):
+    """A limit that is not an integer in [1, build value] (str, float, bool, out of range)
+    is refused at construction with a ValueError naming it (found by QA: "512" was a
+    TypeError inside a comparison, 1.5 was accepted and failed at the first step)."""
+    from trtllm_lite.core.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match=name):
+        LLMEngine(smollm2_engine, num_kv_blocks=8, verify_checksums=False, **{name: value})

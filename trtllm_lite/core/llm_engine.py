@@ -21,13 +21,15 @@ from ..spec_decode.config import SpeculativeConfig
 # The ONNX Runtime CPU backend's token budget per step, as vLLM sets its defaults by usage
 # (server vs the offline LLM class). Serving: a step's prompt chunks delay every running
 # decode of that step, so the budget bounds the TPOT stall (~0.35 s at 512 on SmolLM2 fp32,
-# 2 cores; ~1.6 s at 2048). Offline: fewer, fuller steps win. Measured with the current
-# graphs (GroupQueryAttention for lone prompts, ragged decode): TTFT of a 2048-token prompt
-# ~2.0-2.2 s at 512, 1024 and 2048 alike; 64 x 128/128 requests 22.3 s at 512 vs 20.7-20.9 s
-# at 2048; 64 random-length requests 205 vs 216 output tokens/s. (With the earlier general
-# body for every prompt, 512 was the faster: 155 vs 139 tokens/s.)
+# 2 cores; ~0.7 s at 1024, ~1.6 s at 2048). Offline: fewer, fuller steps win, up to where a
+# step's activations leave the cache (prompt steps ran ~1,370 tokens/s at 512-1024, ~1,250 at
+# 2048). Measured with the current graphs (GroupQueryAttention for lone prompts, ragged
+# decode), interleaved runs: 64 x 128/128 requests 22.3 s at 512, 20.4-21.1 s at 1024,
+# 20.7-22.4 s at 2048; 64 random-length requests 205 / 207-225 / 216-218 output tokens/s;
+# TTFT of a 2048-token prompt ~2.0-2.2 s at all three. (With the earlier general body for
+# every prompt, 512 was the faster: 155 vs 139 tokens/s.)
 CPU_MAX_NUM_BATCHED_TOKENS = 512
-CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
@@ -85,8 +87,10 @@ class LLMEngine:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_seq_len", max_seq_len)):
-            if value is not None and not 1 <= value <= build[name]:
-                raise ValueError(f"{name} must be in [1, {build[name]}] (the engine's build value), got {value}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 1 <= value <= build[name]):
+                raise ValueError(f"{name} must be an integer in [1, {build[name]}] (the engine's build value), "
+                                 f"got {value!r}")
             limits[name] = value or build[name]
         if max_num_batched_tokens is None and enable_chunked_prefill:
             limits["max_num_batched_tokens"] = default_max_num_batched_tokens(build, limits["max_num_seqs"], offline)
