@@ -49,6 +49,17 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def measure_bounds(threads: int) -> dict[str, float]:
+    """Read bandwidth (bytes/s) and GEMM rates (FLOP/s) measured now. The suite measures them
+    before and after the systems and keeps the higher of each: a bound is the best the
+    machine showed (on a shared machine one measurement can land in a busy moment)."""
+    bounds = {"read_bandwidth": max(bench_bounds.read_bandwidth(threads), bench_bounds.gemv_bandwidth()),
+              "gemm_rate_numpy": bench_bounds.gemm_rate(),
+              "gemm_rate_ort": bench_bounds.ort_gemm_rate(num_threads=threads)}
+    bounds["gemm_rate"] = max(bounds["gemm_rate_numpy"], bounds["gemm_rate_ort"])
+    return bounds
+
+
 def ensure_engine(path: str, **options) -> str:
     """Build SmolLM2 into ``path`` (with ``options``) unless an engine is there."""
     if not os.path.exists(os.path.join(path, "engine.json")):
@@ -167,10 +178,7 @@ def main(argv=None) -> int:
         hf_dir = ensure_hf_dir(spec["gguf"], os.path.join(e, "hf-smollm2"))
         spec["hf_model"] = hf_dir
     log("measuring bounds")
-    bounds = {"read_bandwidth": max(bench_bounds.read_bandwidth(args.threads), bench_bounds.gemv_bandwidth()),
-              "gemm_rate_numpy": bench_bounds.gemm_rate(),
-              "gemm_rate_ort": bench_bounds.ort_gemm_rate(num_threads=args.threads)}
-    bounds["gemm_rate"] = max(bounds["gemm_rate_numpy"], bounds["gemm_rate_ort"])
+    bounds = measure_bounds(args.threads)
     results, manifests = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.json")
@@ -195,6 +203,8 @@ def main(argv=None) -> int:
     for name, path in (("ours-fp32", fp32), ("ours-int4", int4)):
         with open(os.path.join(path, "engine.json")) as f:
             manifests[name] = json.load(f)
+    log("measuring bounds again")
+    bounds = {k: max(v, bounds[k]) for k, v in measure_bounds(args.threads).items()}
     load1 = os.getloadavg()
     log(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     report = bench_report.Report(results, bounds, manifests, spec, notes, load0, load1, machine())

@@ -123,7 +123,7 @@ class Report:
               + ".", "", "```bash",
               (f"GLIBC_TUNABLES={m['glibc_tunables']} " if m.get("glibc_tunables") else "") + "python tools/bench.py",
               "```", ""]
-        L += ["### Bounds (measured in this run)", "",
+        L += ["### Bounds (measured in this run, before and after the systems; the higher of the two)", "",
               "| quantity | value |", "|---|---:|",
               f"| read bandwidth (best of threaded numpy sum, BLAS GEMV over 512 MiB) | {b['read_bandwidth'] / 1e9:.1f} GB/s |",
               f"| fp32 GEMM rate, numpy BLAS / ONNX Runtime MLAS (2048^3; the bound uses the higher) | "
