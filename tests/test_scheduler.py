@@ -96,3 +96,29 @@ def test_finish_is_idempotent_and_frees_waiting_or_running():
     sched.finish(a, "abort")
     assert a.status is SequenceStatus.FINISHED and not sched.has_unfinished()
     assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
+
+
+def test_block_pool_reuses_freed_blocks_before_fresh_and_evicts_cached_last():
+    """Allocation order: freed uncached blocks, then never-used blocks, then cached blocks
+    least-recently-freed first; so a CPU pool is touched only as far as the peak load needs,
+    and cached prefixes live while anything else is free."""
+    from trtllm_lite.core.block_pool import BlockPool
+
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2]
+    pool.free(a)
+    assert sorted(pool.allocate(3)) == [0, 1, 2]          # reused, blocks 3-7 still untouched
+    pool.register(1, b"h1")
+    pool.register(2, b"h2")
+    pool.free([0, 1, 2])
+    pool.check()
+    assert pool.allocate(1) == [0]                         # the uncached one
+    assert pool.allocate(5) == [3, 4, 5, 6, 7]             # then fresh ones; 1 and 2 stay cached
+    assert pool.lookup(b"h1") == 1 and pool.num_evictions == 0
+    pool.touch([2])                                        # a prefix hit takes a cached block back
+    assert pool.allocate(1) == [1] and pool.lookup(b"h1") is None and pool.num_evictions == 1
+    pool.check()
+    assert pool.num_free == 0
+    with pytest.raises(RuntimeError, match="free"):
+        pool.allocate(1)
