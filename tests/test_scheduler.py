@@ -122,3 +122,17 @@ def test_block_pool_reuses_freed_blocks_before_fresh_and_evicts_cached_last():
     assert pool.num_free == 0
     with pytest.raises(RuntimeError, match="free"):
         pool.allocate(1)
+
+
+def test_block_pool_refuses_double_free_and_touching_unallocated_blocks():
+    """Misuse raises before changing anything (found by QA: a double free left a -1 count)."""
+    from trtllm_lite.core.block_pool import BlockPool
+
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    pool.free(a)
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free(a)
+    with pytest.raises(RuntimeError, match="never allocated"):
+        pool.touch([3])
+    pool.check()

@@ -5,7 +5,7 @@ otherwise. A free block that holds a full, hashed block of tokens stays findable
 its hash (a *cached* block) until the pool needs it.
 
 Allocation takes, in order: free blocks that hold nothing cached (most recently freed
-last), blocks never used yet, then cached blocks least-recently-freed first (evicting
+first), blocks never used yet, then cached blocks least-recently-freed first (evicting
 them). So cached prefixes survive while other blocks are free, and on the CPU, where the
 pool is committed page by page as blocks are first written, a server touches only as much
 of it as its peak load needs (an LRU queue over all blocks walked the whole pool: SmolLM2
@@ -79,8 +79,10 @@ class BlockPool:
             if self.ref_counts[b] == 0:     # a free block in use again (cached, or freed plain)
                 if b in self._free_cached:
                     del self._free_cached[b]
-                else:
+                elif b in self._free_plain:
                     del self._free_plain[b]
+                else:
+                    raise RuntimeError(f"KV block {b} was never allocated")
             self.ref_counts[b] += 1
 
     def free(self, blocks: list[int]) -> None:
@@ -91,11 +93,11 @@ class BlockPool:
         head (other requests are likelier to share a prefix than a tail).
         """
         for b in reversed(blocks):
+            if self.ref_counts[b] <= 0:
+                raise RuntimeError(f"KV block {b} freed more often than allocated")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 (self._free_plain if self.block_hashes[b] is None else self._free_cached)[b] = None
-            elif self.ref_counts[b] < 0:
-                raise RuntimeError(f"KV block {b} freed more often than allocated")
 
     # -- prefix cache ---------------------------------------------------------------------
     def lookup(self, block_hash: bytes) -> int | None:
