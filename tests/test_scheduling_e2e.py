@@ -197,3 +197,11 @@ def test_engine_limits_must_be_integers_in_range(smollm2_engine, name, value):
 
     with pytest.raises(ValueError, match=name):
         LLMEngine(smollm2_engine, num_kv_blocks=8, verify_checksums=False, **{name: value})
+
+
+def test_engine_limits_take_numpy_integers(smollm2_engine):
+    """Integers from numpy (a config array) are integers: kept, as Python ints."""
+    from trtllm_lite.core.llm_engine import LLMEngine
+
+    engine = LLMEngine(smollm2_engine, num_kv_blocks=8, verify_checksums=False, max_num_seqs=np.int64(4))
+    assert engine.scheduler_config.max_num_seqs == 4 and type(engine.scheduler_config.max_num_seqs) is int

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 
 import numpy as np
@@ -87,11 +88,11 @@ class LLMEngine:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_seq_len", max_seq_len)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)
                                       or not 1 <= value <= build[name]):
                 raise ValueError(f"{name} must be an integer in [1, {build[name]}] (the engine's build value), "
                                  f"got {value!r}")
-            limits[name] = value or build[name]
+            limits[name] = int(value) if value is not None else build[name]
         if max_num_batched_tokens is None and enable_chunked_prefill:
             limits["max_num_batched_tokens"] = default_max_num_batched_tokens(build, limits["max_num_seqs"], offline)
         if max_waiting < 1:
