@@ -30,7 +30,7 @@ from onnx import TensorProto, helper
 
 from .model_config import ModelConfig
 from .onnx_graph import OPSET, NodeWriter, WeightStore
-from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function, write_attention_metadata
+from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function, make_onnx_functions, write_attention_metadata
 from .quantize import QuantizedLinear
 
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops (MatMulNBits)
@@ -304,10 +304,10 @@ class DecoderGraphWriter:
         opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)]
         if self.quantized or self.ort_ops:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-        function = (make_onnx_function(heads=(c.num_heads, c.num_kv_heads, c.head_dim),
-                                       decode_path=self.ort_ops)
-                    if self.kv_write == "runtime" else in_op_function())
-        model = helper.make_model(graph, opset_imports=opsets, functions=[function],
+        functions = (make_onnx_functions(heads=(c.num_heads, c.num_kv_heads, c.head_dim),
+                                         decode_path=self.ort_ops)
+                     if self.kv_write == "runtime" else [in_op_function()])
+        model = helper.make_model(graph, opset_imports=opsets, functions=functions,
                                   producer_name="trtllm-lite")
         model.ir_version = 10
         return model

@@ -46,6 +46,7 @@ import numpy as np
 DOMAIN = "trtllm_lite"
 OP_TYPE = "PagedAttention"
 OP_VERSION = 1
+DECODE_OP_TYPE = "PagedDecodeAttention"   # the decode step alone (make_decode_function)
 
 INPUT_NAMES = (
     "query", "key", "value", "key_cache", "value_cache",
@@ -54,6 +55,8 @@ INPUT_NAMES = (
 RAGGED_NAMES = ("ragged_block_ids", "ragged_owner", "ragged_pad_map", "ragged_bias", "ragged_seg")
 METADATA_NAMES = ("pad_index", "unpad_index", "ctx_block_ids", "attn_bias", "decode_bias", "decode_split",
                   *RAGGED_NAMES, "use_padded_decode", "is_decode", "is_one_sequence")
+DECODE_INPUT_NAMES = ("query", "key", "value", "key_cache", "value_cache", "block_tables", "context_lens",
+                      "ctx_block_ids", "decode_bias", "decode_split", *RAGGED_NAMES, "use_padded_decode")
 NUM_DECODE_METADATA = len(METADATA_NAMES)    # the ONNX Runtime graphs' decode path takes them all
 GQA_HEAD_DIM_MULTIPLE = 8   # ONNX Runtime's CPU GroupQueryAttention: head_size % 8 == 0
 
@@ -431,6 +434,48 @@ def _scale_constant(w) -> str:
     return scale
 
 
+def make_decode_function(heads: tuple[int, int, int], opset: int | None = None):
+    """The ``trtllm_lite::PagedDecodeAttention`` op as a model-local ONNX function: the
+    PagedAttention op's decode step (every sequence computes one token, ``T == S``), which
+    the ONNX Runtime graphs call from :func:`make_onnx_function`'s body.
+
+    Inputs :data:`DECODE_INPUT_NAMES` (query ``[S, H, D]``, key / value ``[S, Hkv, D]``, the
+    layer's pools, ``block_tables``, ``context_lens`` and the step's decode metadata from
+    :func:`write_attention_metadata`), attribute ``scale``, output ``[S, H, D]`` float32.
+    The body picks :func:`_write_decode_attention` (contexts padded to the longest) or
+    :func:`_write_ragged_decode_attention` by ``use_padded_decode``. ONNX Runtime runs the
+    runtime's C++ kernel instead where it is registered (``trtllm_lite/ort_kernels``): one
+    pass over each sequence's blocks, no gathered copies, no padding.
+    """
+    from onnx import helper
+
+    from .onnx_graph import OPSET, NodeWriter
+
+    num_heads, num_kv_heads, head_dim = heads
+    w = NodeWriter("pd_")
+    scale = _scale_constant(w)
+    padded, ragged = NodeWriter("pd_pad_"), NodeWriter("pd_rag_")
+    _write_decode_attention(padded, "query", "key", "value", "key_cache", "value_cache", "ctx_block_ids",
+                            "decode_bias", "decode_split", w.const([head_dim]), scale, "pd_pad_output")
+    _write_ragged_decode_attention(ragged, "query", "key", "value", "key_cache", "value_cache", RAGGED_NAMES,
+                                   heads, scale, "pd_rag_output")
+    w.op("If", "use_padded_decode", outputs=["output"],
+         then_branch=_branch(padded, "padded_decode", "pd_pad_output"),
+         else_branch=_branch(ragged, "ragged_decode", "pd_rag_output"))
+    return helper.make_function(DOMAIN, DECODE_OP_TYPE, list(DECODE_INPUT_NAMES), ["output"], w.nodes,
+                                [helper.make_opsetid("", opset or OPSET)], attributes=["scale"])
+
+
+def make_onnx_functions(opset: int | None = None, heads: tuple[int, int, int] | None = None,
+                        decode_path: bool = False) -> list:
+    """The model-local functions a graph with PagedAttention nodes carries:
+    :func:`make_onnx_function` and, with ``decode_path``, :func:`make_decode_function`."""
+    functions = [make_onnx_function(opset, heads, decode_path)]
+    if heads is not None and decode_path:
+        functions.append(make_decode_function(heads, opset))
+    return functions
+
+
 def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | None = None,
                        decode_path: bool = False):
     """The op as a model-local ONNX function whose body uses standard ops only.
@@ -455,13 +500,14 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
             reads the sizes from the inputs' shapes).
         decode_path: with ``heads``, also take the decode metadata (inputs 13-22) and pick
             the kernel by the step's shape (``If`` nodes): when every sequence computes one
-            token (``T == S``), :func:`_write_decode_attention` or, when the contexts differ
-            enough, :func:`_write_ragged_decode_attention`; :func:`_write_one_sequence_attention`
+            token (``T == S``), the ``PagedDecodeAttention`` op (:func:`make_decode_function`;
+            the graph must carry that function too: :func:`make_onnx_functions`);
+            :func:`_write_one_sequence_attention`
             (ONNX Runtime's GroupQueryAttention; only when ``head_dim`` is a multiple of 8,
             which its CPU kernel requires) for one sequence computing several, the general
             body otherwise. For ONNX Runtime's float32 graphs (measured there).
     """
-    from onnx import helper
+    from onnx import AttributeProto, helper
 
     from .onnx_graph import OPSET, NodeWriter
 
@@ -484,15 +530,16 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
     if heads is None or not decode_path:
         _write_attention(w, q, k, v, kc, vc, metadata, dims, scale, "output")
     else:
-        # the kernel, by the step's shape (conditions from the metadata, one If on the
-        # common batch-1 / equal-context decode): padded decode, else ragged decode (T == S),
-        # else one sequence computing several tokens (S == 1; ONNX Runtime's
-        # GroupQueryAttention, whose CPU kernel needs head_dim % 8 == 0), else the general body
-        general, padded, ragged = NodeWriter("pa_gen_"), NodeWriter("pa_dec_"), NodeWriter("pa_rag_")
+        # the kernel, by the step's shape (conditions from the metadata): every sequence
+        # computing one token -> the PagedDecodeAttention op (its own function, or ONNX
+        # Runtime's CPU kernel where the runtime registers it); else one sequence computing
+        # several tokens (S == 1; ONNX Runtime's GroupQueryAttention, whose CPU kernel needs
+        # head_dim % 8 == 0), else the general body
+        general, decode = NodeWriter("pa_gen_"), NodeWriter("pa_dcall_")
         _write_attention(general, q, k, v, kc, vc, metadata, dims, scale, "pa_gen_output")
-        _write_decode_attention(padded, q, k, v, kc, vc, "ctx_block_ids", "decode_bias", "decode_split",
-                                dims["head_dim"], scale, "pa_dec_output")
-        _write_ragged_decode_attention(ragged, q, k, v, kc, vc, RAGGED_NAMES, heads, scale, "pa_rag_output")
+        decode.op(DECODE_OP_TYPE, *DECODE_INPUT_NAMES, domain=DOMAIN, outputs=["pa_dcall_output"])
+        decode.nodes[-1].attribute.append(AttributeProto(name="scale", ref_attr_name="scale",
+                                                         type=AttributeProto.FLOAT))
         prefill, prefill_out = general, "pa_gen_output"
         if heads[2] % GQA_HEAD_DIM_MULTIPLE == 0:
             one_seq, prefill, prefill_out = NodeWriter("pa_gqa_"), NodeWriter("pa_pre_"), "pa_pre_output"
@@ -500,15 +547,11 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
             prefill.op("If", "is_one_sequence", outputs=[prefill_out],
                        then_branch=_branch(one_seq, "one_sequence", "pa_gqa_output"),
                        else_branch=_branch(general, "general", "pa_gen_output"))
-        rest = NodeWriter("pa_rest_")
-        rest.op("If", "is_decode", outputs=["pa_rest_output"],
-                then_branch=_branch(ragged, "ragged_decode", "pa_rag_output"),
-                else_branch=_branch(prefill, "prefill", prefill_out))
-        w.op("If", "use_padded_decode", outputs=["output"],
-             then_branch=_branch(padded, "padded_decode", "pa_dec_output"),
-             else_branch=_branch(rest, "not_padded_decode", "pa_rest_output"))
+        w.op("If", "is_decode", outputs=["output"],
+             then_branch=_branch(decode, "decode", "pa_dcall_output"),
+             else_branch=_branch(prefill, "prefill", prefill_out))
     opsets = [helper.make_opsetid("", opset or OPSET)]
     if heads is not None and decode_path:
-        opsets.append(helper.make_opsetid("com.microsoft", 1))
+        opsets += [helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(DOMAIN, OP_VERSION)]
     return helper.make_function(DOMAIN, OP_TYPE, inputs, ["output"], w.nodes, opsets,
                                 attributes=["num_heads", "num_kv_heads", "scale"])

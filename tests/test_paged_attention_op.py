@@ -6,12 +6,13 @@ import pytest
 from onnx import TensorProto, helper
 
 from builder.onnx_graph import OPSET, NodeWriter
-from builder.paged_attention import (DOMAIN, INPUT_NAMES, METADATA_NAMES, OP_TYPE, make_onnx_function,
+from builder.paged_attention import (DOMAIN, INPUT_NAMES, METADATA_NAMES, OP_TYPE, make_onnx_functions,
                                      reference_paged_attention, write_attention_metadata,
                                      write_kv_reference)
 
 
-def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_path=False):
+def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_path=False,
+                      session_options=None):
     """One PagedAttention node; ``metadata``: fed by the metadata nodes written once in the
     graph (the engines' form) instead of the self-contained body; ``decode_path``: with the
     ONNX Runtime engines' decode path (taken when every sequence has one new token)."""
@@ -36,11 +37,12 @@ def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_
                               [helper.make_tensor_value_info("output", f32, ["T", num_heads, head_dim])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(DOMAIN, 1)],
-                              functions=[make_onnx_function(
+                              functions=make_onnx_functions(
                                   heads=(num_heads, num_kv_heads, head_dim) if metadata else None,
-                                  decode_path=decode_path)])
+                                  decode_path=decode_path))
     onnx.checker.check_model(model, full_check=True)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), session_options,
+                                providers=["CPUExecutionProvider"])
 
 
 def random_step(rng, context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size):
@@ -125,3 +127,106 @@ def test_write_then_attend_equals_attend_over_cache():
                                      np.array([9]), np.array([0, 1]), 8 ** -0.5)
     np.testing.assert_allclose(last[0], out_prefill[9], rtol=1e-5, atol=1e-6)
 
+
+
+DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
+    # (num_heads, num_kv_heads, head_dim, block_size, context_lens, query_lens): the C++
+    # kernel's vector widths (head_dim 16, 32, 64, 128) and its portable loop (others)
+    (8, 8, 32, 16, [50, 3], [1, 1]),
+    (16, 2, 128, 16, [300, 17, 0], [1, 1, 1]),
+    (8, 1, 64, 32, [1000], [1]),
+    (12, 4, 12, 4, [23, 8, 1], [1, 1, 1]),
+]
+
+
+@pytest.fixture(scope="module")
+def kernel_library():
+    from trtllm_lite.ort_kernels import KernelBuildError, build_library
+    try:
+        return str(build_library())
+    except KernelBuildError as e:
+        pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
+
+
+def kernel_session(kernel_library, heads, kv_heads, head_dim, profile=False):
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(kernel_library)
+    so.enable_profiling = profile
+    return single_op_session(heads, kv_heads, head_dim, True, True, so)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", DECODE_CASES)
+def test_decode_kernel_matches_reference(kernel_library, heads, kv_heads, head_dim, block_size, ctx, qlens):
+    """The C++ PagedDecodeAttention kernel (registered with the session) against the float64
+    reference, and it is what ran: ONNX Runtime's profile lists the node by its op."""
+    import json
+
+    step = random_step(np.random.default_rng(3), ctx, qlens, heads, kv_heads, head_dim, block_size)
+    sess = kernel_session(kernel_library, heads, kv_heads, head_dim, profile=True)
+    (got,) = sess.run(None, step)
+    with open(sess.end_profiling()) as f:
+        ops = {e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node"}
+    assert "PagedDecodeAttention" in ops
+    want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
+                                     step["value_cache"], step["block_tables"], step["context_lens"],
+                                     step["query_start_loc"], head_dim ** -0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("block_tables", 10_000, "block_tables\\[0, 1\\] = 10000 outside the pool's"),
+    ("block_tables", -1, "block_tables\\[0, 1\\] = -1 outside the pool's"),
+    ("context_lens", 10_000, "context_lens\\[1\\] = 10000 outside"),
+    ("value", None, "key / value shapes"),
+])
+def test_decode_kernel_rejects_bad_inputs(kernel_library, field, value, message):
+    """A block table entry outside the pool, a context longer than the table or mismatched
+    shapes: an INVALID_ARGUMENT error naming the input, before the kernel reads anything,
+    and the session goes on. (One PagedDecodeAttention node fed directly: in the engines'
+    graphs the metadata nodes in front of it already fail on such block tables.)"""
+    from builder.paged_attention import DECODE_INPUT_NAMES, DECODE_OP_TYPE
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    types = [f32] * 5 + [i64] * 3 + [f32, i64, i64, i64, i64, f32, f32, TensorProto.BOOL]
+    node = helper.make_node(DECODE_OP_TYPE, list(DECODE_INPUT_NAMES), ["output"], domain=DOMAIN, scale=0.125)
+    graph = helper.make_graph([node], "decode", [helper.make_tensor_value_info(n, t, None)
+                                                 for n, t in zip(DECODE_INPUT_NAMES, types)],
+                              [helper.make_tensor_value_info("output", f32, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(kernel_library)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    def feed():
+        step = random_step(np.random.default_rng(4), [40, 7], [1, 1], 9, 3, 64, 16)
+        unused = {n: np.zeros(1, np.dtype(helper.tensor_dtype_to_np_dtype(t)))
+                  for n, t in zip(DECODE_INPUT_NAMES[7:], types[7:])}
+        return {n: step[n] for n in DECODE_INPUT_NAMES[:7]} | unused
+
+    bad = feed()
+    if field == "block_tables":
+        bad["block_tables"][0, 1] = value
+    elif field == "context_lens":
+        bad["context_lens"][1] = value
+    else:
+        bad["value"] = bad["value"][:, :, :32]
+    with pytest.raises(Exception, match=message):
+        sess.run(None, bad)
+    good = feed()
+    (got,) = sess.run(None, good)
+    want = reference_paged_attention(good["query"], good["key"], good["value"], good["key_cache"],
+                                     good["value_cache"], good["block_tables"], good["context_lens"],
+                                     np.arange(3), 0.125)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_fall_back_to_function_bodies_without_a_compiler(monkeypatch, tmp_path):
+    """No C++ compiler: library_path() warns once and returns None (the graphs then run the
+    ops' ONNX function bodies, tested above)."""
+    import trtllm_lite.ort_kernels as kernels
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(kernels, "_result", {})
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        assert kernels.library_path() is None
+    assert kernels.library_path() is None

@@ -16,14 +16,17 @@ def hf_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("prepacking", [True, False], ids=["one-session", "decode-graph"])
+@pytest.mark.parametrize("prepacking,custom_kernels", [(True, True), (False, True), (True, False)],
+                         ids=["one-session", "decode-graph", "function-bodies"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefill_and_decode_logits_match_hf(tiny_model, kind, prepacking):
+def test_prefill_and_decode_logits_match_hf(tiny_model, kind, prepacking, custom_kernels):
     """Both runner modes: one prepacked session (decode steps through the prefill graph)
-    and two sessions sharing one weight copy (decode steps through the decode graph)."""
+    and two sessions sharing one weight copy (decode steps through the decode graph); and
+    the decode steps' attention by trtllm-lite's C++ kernel (where it builds) or by the
+    op's ONNX function body."""
     hf, engine_dir = tiny_model(kind)
     runner = OnnxRuntimeRunner(load_engine_dir(engine_dir, verify_checksums=False), 64,
-                               options=OrtOptions(enable_prepacking=prepacking))
+                               options=OrtOptions(enable_prepacking=prepacking, custom_kernels=custom_kernels))
     assert ("decode" in runner.sessions) is not prepacking
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 7, 13)]

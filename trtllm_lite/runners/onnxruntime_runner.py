@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
+from .. import ort_kernels
 from ..engine_dir import EngineDir
 from .base import ScheduledSeq, StepBatch, StepInputs, build_step_inputs, group_by_query_length
 
@@ -70,11 +71,16 @@ class OrtOptions:
             share one numpy copy of ``weights.bin`` (``SessionOptions.add_initializer``).
         allow_spinning: intra-op worker threads spin between operators instead of sleeping
             (lower latency on idle cores; wasted cycles when the cores are shared).
+        custom_kernels: register trtllm-lite's C++ kernels (:mod:`trtllm_lite.ort_kernels`,
+            compiled on first use) so the graphs' ``PagedDecodeAttention`` nodes run them
+            instead of their ONNX function bodies (same results within float32 rounding);
+            without a C++ compiler the bodies run, with a warning.
 
     Defaults can be set from the environment: ``TRTLLM_LITE_ORT_THREADS``,
     ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``, ``TRTLLM_LITE_ORT_MEM_ARENA`` (0/1),
     ``TRTLLM_LITE_ORT_ARENA_SHRINKAGE`` (0/1),
-    ``TRTLLM_LITE_ORT_PREPACKING`` (0/1), ``TRTLLM_LITE_ORT_SPINNING`` (0/1); see :meth:`from_env`.
+    ``TRTLLM_LITE_ORT_PREPACKING`` (0/1), ``TRTLLM_LITE_ORT_SPINNING`` (0/1),
+    ``TRTLLM_LITE_ORT_CUSTOM_KERNELS`` (0/1); see :meth:`from_env`.
     """
 
     intra_op_num_threads: int | None = None
@@ -83,6 +89,7 @@ class OrtOptions:
     arena_shrinkage: bool = True
     enable_prepacking: bool = True
     allow_spinning: bool = True
+    custom_kernels: bool = True
 
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "OrtOptions":
@@ -100,7 +107,8 @@ class OrtOptions:
                   "enable_cpu_mem_arena": flag("TRTLLM_LITE_ORT_MEM_ARENA"),
                   "arena_shrinkage": flag("TRTLLM_LITE_ORT_ARENA_SHRINKAGE"),
                   "enable_prepacking": flag("TRTLLM_LITE_ORT_PREPACKING"),
-                  "allow_spinning": flag("TRTLLM_LITE_ORT_SPINNING")}
+                  "allow_spinning": flag("TRTLLM_LITE_ORT_SPINNING"),
+                  "custom_kernels": flag("TRTLLM_LITE_ORT_CUSTOM_KERNELS")}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**{k: v for k, v in values.items() if v is not None})
 
@@ -111,9 +119,11 @@ def is_quantized(engine: EngineDir) -> bool:
 
 
 def session_options(num_threads: int | None, prepacking: bool = False,
-                    mem_arena: bool = True, spinning: bool = True) -> ort.SessionOptions:
+                    mem_arena: bool = True, spinning: bool = True,
+                    custom_kernels: bool = False) -> ort.SessionOptions:
     """CPU defaults: all graph optimizations, one intra-op thread per core, sequential
-    execution, prepacking off unless asked (see :class:`OrtOptions`)."""
+    execution, prepacking off unless asked, trtllm-lite's kernels registered when asked and
+    available (see :class:`OrtOptions`)."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = num_threads or os.cpu_count() or 1
@@ -123,6 +133,9 @@ def session_options(num_threads: int | None, prepacking: bool = False,
     so.log_severity_level = 3
     so.add_session_config_entry("session.disable_prepacking", "0" if prepacking else "1")
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    library = ort_kernels.library_path() if custom_kernels else None
+    if library:
+        so.register_custom_ops_library(library)
     return so
 
 
@@ -172,7 +185,7 @@ def create_sessions(engine: EngineDir, num_threads: int | None = None,
         if kinds is not None and kind not in kinds:
             continue
         so = session_options(num_threads or options.intra_op_num_threads, prepacking,
-                             options.enable_cpu_mem_arena, options.allow_spinning)
+                             options.enable_cpu_mem_arena, options.allow_spinning, options.custom_kernels)
         for name, value in values.items():
             so.add_initializer(name, value)
         sessions[kind] = ort.InferenceSession(engine.file(file), so, providers=["CPUExecutionProvider"])

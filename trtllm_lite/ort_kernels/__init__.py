@@ -1,0 +1,118 @@
+"""C++ kernels for ONNX Runtime's CPU execution provider, built on first use.
+
+``paged_decode_attention.cc`` implements the ``trtllm_lite::PagedDecodeAttention`` op (the
+PagedAttention op's decode step, ``builder/paged_attention.py``) as an ONNX Runtime custom
+operator. The engines' graphs carry the same op as an ONNX function; ONNX Runtime runs the
+kernel where the library is registered with the session and inlines the function otherwise,
+so a missing compiler costs speed, never correctness.
+
+The library is compiled with the host C++ compiler (``$CXX``, default ``g++``) for this CPU
+(``-march=native``) into a cache folder keyed by the sources, flags, compiler and CPU:
+``$TRTLLM_LITE_CACHE_DIR/ort_kernels/<key>/`` (default ``~/.cache/trtllm_lite``). The first
+build takes a few seconds; later processes load the cached file.
+
+ONNX Runtime's Python wheel ships no C headers: ``ort_abi.h`` declares the few parts of its
+stable C ABI (``OrtApi`` slots, ``OrtCustomOp``) that the kernel uses.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+LIBRARY_NAME = "libtrtllm_lite_ort_kernels.so"
+SOURCES = ("paged_decode_attention.cc", "ort_abi.h")
+CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
+             "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-maybe-uninitialized")
+MIN_ORT_API_VERSION = 17        # KernelContext_ParallelFor (ONNX Runtime 1.17)
+
+_HERE = Path(__file__).resolve().parent
+_lock = threading.Lock()
+_result: dict[str, object] = {}
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ compiler failed on the kernels (its output is in the message)."""
+
+
+def cache_dir() -> Path:
+    """Root of the build cache (``$TRTLLM_LITE_CACHE_DIR``, default ``~/.cache/trtllm_lite``)."""
+    root = os.environ.get("TRTLLM_LITE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                    "trtllm_lite")
+    return Path(root) / "ort_kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build_key(cxx: str) -> str:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((_HERE / name).read_bytes())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    for part in (" ".join(CXX_FLAGS), version, _cpu_flags()):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def build_library(out_dir: Path | None = None) -> Path:
+    """Compile the kernels (or reuse the cached build) and return the library's path.
+
+    Raises:
+        KernelBuildError: no C++ compiler, or it failed (its output in the message).
+    """
+    cxx = _compiler()
+    if cxx is None:
+        raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'g++')!r} not on PATH)")
+    out_dir = out_dir or cache_dir() / _build_key(cxx)
+    path = out_dir / LIBRARY_NAME
+    if path.exists():
+        return path
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # compile to a private name, then rename: concurrent processes never load a partial file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, str(_HERE / SOURCES[0])],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelBuildError(f"{cxx} failed on {SOURCES[0]}:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def library_path() -> str | None:
+    """The kernels' library for ``SessionOptions.register_custom_ops_library``, built once per
+    process (cached on disk); ``None``, with one warning, when it cannot be built here (the
+    graphs then run the ops' ONNX function bodies)."""
+    with _lock:
+        if "path" not in _result:
+            import onnxruntime as ort
+
+            major, minor = (int(x) for x in ort.__version__.split(".")[:2])
+            try:
+                if (major, minor) < (1, MIN_ORT_API_VERSION):
+                    raise KernelBuildError(f"onnxruntime {ort.__version__} < 1.{MIN_ORT_API_VERSION}")
+                _result["path"] = str(build_library())
+            except (KernelBuildError, OSError) as e:
+                _result["path"] = None
+                warnings.warn(f"trtllm-lite's ONNX Runtime kernels are unavailable, running the ops' "
+                              f"ONNX function bodies instead (slower): {e}", stacklevel=2)
+        return _result["path"]  # type: ignore[return-value]
