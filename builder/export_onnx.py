@@ -262,11 +262,12 @@ class DecoderGraphWriter:
                 x = w.op("Add", x, attn)
                 x = w.op("Add", x, self.mlp(i, self.norm(x, f"layers.{i}.mlp_norm")))
             if self.kv_write == "runtime":
-                new_keys.append(w.op("Unsqueeze", k, w.const([0])))
-                new_values.append(w.op("Unsqueeze", v, w.const([0])))
-        if self.kv_write == "runtime":
-            w.op("Concat", *new_keys, axis=0, outputs=["new_keys"])
-            w.op("Concat", *new_values, axis=0, outputs=["new_values"])
+                new_keys.append(k)
+                new_values.append(v)
+        if self.kv_write == "runtime":   # [L * T, Hkv, D] -> [L, T, Hkv, D]: one op, not one per layer
+            layers = w.const([c.num_layers, -1, c.num_kv_heads, c.head_dim])
+            w.op("Reshape", w.op("Concat", *new_keys, axis=0), layers, outputs=["new_keys"])
+            w.op("Reshape", w.op("Concat", *new_values, axis=0), layers, outputs=["new_values"])
         if not fused_norms:
             h = x
         if self.kind == "prefill":

@@ -1,9 +1,11 @@
 // trtllm_lite::PagedDecodeAttention for ONNX Runtime's CPU execution provider.
 //
 // The PagedAttention op's decode step (every sequence computes one token), read straight from
-// the paged KV pool: for each (sequence, KV head) the kernel walks the sequence's blocks through
-// its block table twice (scores, then the weighted sum of values) with no gathered copy, no
-// padding to the step's longest context and no mask. The ONNX function body it replaces
+// the paged KV pool: for each sequence (or, with few sequences, each (sequence, KV head) pair,
+// so every thread has work) the kernel walks the sequence's blocks through its block table
+// twice (scores, then the weighted sum of values), fetching the next block ahead (blocks lie
+// anywhere in the pool, where the hardware prefetcher cannot follow), with no gathered copy,
+// no padding to the step's longest context and no mask. The ONNX function body it replaces
 // (builder/paged_attention.py, make_decode_function) gathers every used block into a new
 // tensor for K and for V, then runs MatMuls over the copies.
 //
@@ -38,6 +40,7 @@ using namespace ort_abi;
 const OrtApi* g_api = nullptr;
 
 constexpr size_t kNumInputs = 16;
+constexpr int64_t kMinSequencesPerItemSplit = 8;
 constexpr ONNXTensorElementDataType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kI64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 constexpr ONNXTensorElementDataType kBool = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
@@ -111,17 +114,24 @@ struct DecodeStep {
   const int64_t *block_tables, *context_lens;
   float* output;
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t heads_per_item;   // KV heads one work item takes: all of them, or 1 when few sequences
   float scale;
 };
 
-// The pool rows a (sequence, KV head) pair reads, block by block: fn(row pointer, first
-// position, rows) for each of the sequence's context blocks.
+// The pool rows of sequence s from KV head h on, block by block: fn(row pointer, first
+// position, rows) for each of the sequence's context blocks, the next block prefetched.
 template <typename Fn>
 inline void for_each_block(const DecodeStep& st, int64_t s, int64_t h, const float* pool, int64_t ctx, Fn fn) {
   const int64_t bs = st.block_size, hkv = st.num_kv_heads, d = st.head_dim;
   const int64_t* table = st.block_tables + s * st.max_blocks;
-  for (int64_t start = 0; start < ctx; start += bs)
-    fn(pool + (table[start / bs] * bs * hkv + h) * d, start, std::min(bs, ctx - start));
+  const int64_t block_floats = bs * hkv * d;
+  for (int64_t start = 0; start < ctx; start += bs) {
+    if (start + bs < ctx) {   // blocks lie anywhere in the pool: fetch the next one ahead
+      const char* next = reinterpret_cast<const char*>(pool + table[start / bs + 1] * block_floats);
+      for (int64_t line = 0; line < block_floats * 4; line += 64) __builtin_prefetch(next + line);
+    }
+    fn(pool + table[start / bs] * block_floats + h * d, start, std::min(bs, ctx - start));
+  }
 }
 
 // Portable version: any head_dim. scores [G, n] (n = ctx + 1), acc [G, D] scratch.
@@ -190,33 +200,37 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// AVX-512 version for head_dim = 16 * NC: each row held in NC registers.
+// AVX-512 version for head_dim = 16 * NC: KV heads [h0, h0 + nh) of sequence s, each pool row
+// read once for all of them (one contiguous nh * D stretch) and held in NC registers per head.
 template <int NC>
-void attend_avx512(const DecodeStep& st, int64_t s, int64_t h, float* scores, float* acc) {
+void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, float* scores, float* acc) {
   constexpr int64_t d = 16 * NC;
-  const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv;
+  const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, rows = nh * group;
   const int64_t ctx = st.context_lens[s], n = ctx + 1, stride = hkv * d;
-  const float* q = st.query + (s * st.num_heads + h * group) * d;
-  float* q_scaled = acc;                        // [G, D] scratch, reused for the sums below
-  for (int64_t i = 0; i < group * d; ++i) q_scaled[i] = q[i] * st.scale;
+  const float* q = st.query + (s * st.num_heads + h0 * group) * d;   // [rows, D]
+  float* q_scaled = acc;                        // [rows, D] scratch, reused for the sums below
+  for (int64_t i = 0; i < rows * d; ++i) q_scaled[i] = q[i] * st.scale;
 
-  auto score_row = [&](const float* k, int64_t pos) {
-    __m512 kr[NC];
-    for (int c = 0; c < NC; ++c) kr[c] = _mm512_loadu_ps(k + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q_scaled + g * d;
-      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), kr[0]);
-      for (int c = 1; c < NC; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kr[c], dot);
-      scores[g * n + pos] = _mm512_reduce_add_ps(dot);
+  auto score_row = [&](const float* k, int64_t pos) {   // k: head h0's row at pos
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      __m512 kr[NC];
+      for (int c = 0; c < NC; ++c) kr[c] = _mm512_loadu_ps(k + hh * d + 16 * c);
+      for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
+        const float* qg = q_scaled + g * d;
+        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), kr[0]);
+        for (int c = 1; c < NC; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kr[c], dot);
+        scores[g * n + pos] = _mm512_reduce_add_ps(dot);
+      }
     }
   };
-  for_each_block(st, s, h, st.key_cache, ctx, [&](const float* k, int64_t first, int64_t rows) {
-    for (int64_t j = 0; j < rows; ++j) score_row(k + j * stride, first + j);
+  for_each_block(st, s, h0, st.key_cache, ctx, [&](const float* k, int64_t first, int64_t len) {
+    for (int64_t j = 0; j < len; ++j) score_row(k + j * stride, first + j);
   });
-  score_row(st.key + (s * hkv + h) * d, ctx);
+  score_row(st.key + (s * hkv + h0) * d, ctx);
 
-  float inv_total[64];                        // group <= 64 (attend)
-  for (int64_t g = 0; g < group; ++g) {         // exponentials in place, their sum kept
+  thread_local std::vector<float> inv_total;
+  inv_total.resize(static_cast<size_t>(rows));
+  for (int64_t g = 0; g < rows; ++g) {          // exponentials in place, their sum kept
     float* row = scores + g * n;
     __m512 m = _mm512_set1_ps(-3.0e38f);
     int64_t i = 0;
@@ -239,22 +253,25 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h, float* scores, fl
     inv_total[g] = 1.0f / _mm512_reduce_add_ps(total);
   }
 
-  std::fill(acc, acc + group * d, 0.0f);
+  std::fill(acc, acc + rows * d, 0.0f);
   auto add_row = [&](const float* v, int64_t pos) {
-    __m512 vr[NC];
-    for (int c = 0; c < NC; ++c) vr[c] = _mm512_loadu_ps(v + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * n + pos]);
-      float* a = acc + g * d;
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(p, vr[c], _mm512_loadu_ps(a + 16 * c)));
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      __m512 vr[NC];
+      for (int c = 0; c < NC; ++c) vr[c] = _mm512_loadu_ps(v + hh * d + 16 * c);
+      for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * n + pos]);
+        float* a = acc + g * d;
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(p, vr[c], _mm512_loadu_ps(a + 16 * c)));
+      }
     }
   };
-  for_each_block(st, s, h, st.value_cache, ctx, [&](const float* v, int64_t first, int64_t rows) {
-    for (int64_t j = 0; j < rows; ++j) add_row(v + j * stride, first + j);
+  for_each_block(st, s, h0, st.value_cache, ctx, [&](const float* v, int64_t first, int64_t len) {
+    for (int64_t j = 0; j < len; ++j) add_row(v + j * stride, first + j);
   });
-  add_row(st.value + (s * hkv + h) * d, ctx);
-  float* out = st.output + (s * st.num_heads + h * group) * d;
-  for (int64_t g = 0; g < group; ++g) {
+  add_row(st.value + (s * hkv + h0) * d, ctx);
+  float* out = st.output + (s * st.num_heads + h0 * group) * d;
+  for (int64_t g = 0; g < rows; ++g) {
     const __m512 inv = _mm512_set1_ps(inv_total[g]);
     for (int c = 0; c < NC; ++c)
       _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + g * d + 16 * c), inv));
@@ -262,28 +279,27 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h, float* scores, fl
 }
 #endif
 
-// One (sequence, KV head) pair: its G = H / Hkv query heads against the sequence's context.
+// One work item: KV heads [h0, h0 + heads_per_item) of one sequence (all their query heads).
 void attend(void* user, size_t item) {
   const DecodeStep& st = *static_cast<const DecodeStep*>(user);
-  const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv;
-  const int64_t s = static_cast<int64_t>(item) / hkv, h = static_cast<int64_t>(item) % hkv;
+  const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, nh = st.heads_per_item;
+  const int64_t items_per_seq = hkv / nh;
+  const int64_t s = static_cast<int64_t>(item) / items_per_seq, h0 = static_cast<int64_t>(item) % items_per_seq * nh;
   const int64_t n = st.context_lens[s] + 1;
   thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(group * (n + st.head_dim)));
-  float* scores = buffer.data();              // [G, n]
-  float* acc = scores + group * n;            // [G, D]
+  buffer.resize(static_cast<size_t>(nh * group * (n + st.head_dim)));
+  float* scores = buffer.data();              // [nh * G, n]
+  float* acc = scores + nh * group * n;       // [nh * G, D]
 #ifdef __AVX512F__
-  if (group <= 64) {
-    switch (st.head_dim) {
-      case 16: return attend_avx512<1>(st, s, h, scores, acc);
-      case 32: return attend_avx512<2>(st, s, h, scores, acc);
-      case 64: return attend_avx512<4>(st, s, h, scores, acc);
-      case 128: return attend_avx512<8>(st, s, h, scores, acc);
-      default: break;
-    }
+  switch (st.head_dim) {
+    case 16: return attend_avx512<1>(st, s, h0, nh, scores, acc);
+    case 32: return attend_avx512<2>(st, s, h0, nh, scores, acc);
+    case 64: return attend_avx512<4>(st, s, h0, nh, scores, acc);
+    case 128: return attend_avx512<8>(st, s, h0, nh, scores, acc);
+    default: break;
   }
 #endif
-  attend_portable(st, s, h, scores, acc);
+  for (int64_t h = h0; h < h0 + nh; ++h) attend_portable(st, s, h, scores, acc);
 }
 
 struct Kernel {
@@ -358,8 +374,13 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
   step.block_size = B;
   step.max_blocks = M;
   step.scale = kernel.scale;
+  // a work item per sequence reads its pool rows contiguously (all KV heads: measured ~25%
+  // faster than per-head items at 8-64 sequences on 2 cores); with fewer sequences, a work
+  // item per (sequence, KV head) keeps the threads busy
+  step.heads_per_item = S >= kMinSequencesPerItemSplit ? Hkv : 1;
   return slot<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      g_api, kKernelContextParallelFor)(context, attend, static_cast<size_t>(S * Hkv), 0, &step);
+      g_api, kKernelContextParallelFor)(context, attend, static_cast<size_t>(S * Hkv / step.heads_per_item), 0,
+                                        &step);
 }
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
