@@ -30,6 +30,7 @@ from onnx import TensorProto, helper
 
 from .model_config import ModelConfig
 from .onnx_graph import OPSET, NodeWriter, WeightStore
+from .fused_ops import ROTARY_OP_TYPE, SILU_OP_TYPE, make_rotary_function, make_silu_function
 from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function, make_onnx_functions, write_attention_metadata
 from .quantize import QuantizedLinear
 
@@ -94,7 +95,8 @@ class DecoderGraphWriter:
             raise ValueError(f"kv_write must be one of {KV_WRITES}, got {kv_write!r}")
         self.kv_write = kv_write
         self.ort_ops = ort_ops and kv_write == "runtime"
-        self.position_ids = ""     # [T, 1] int64, for ONNX Runtime's RotaryEmbedding
+        # the Llama family's ONNX Runtime graphs: RotarySplitQKV and SiluAndMul (fused_ops.py)
+        self.fused_ops = self.ort_ops and config.family != "gpt2"
         self.cos_sin: tuple[str, str] | None = None   # the step's rotary rows (standard ops)
         self.c, self.weights, self.kind = config, weights, kind
         self.quantized, self.accuracy_level = quantized or {}, accuracy_level
@@ -194,14 +196,9 @@ class DecoderGraphWriter:
         ``(o_proj output [T, hidden], k [T, Hkv, D], v [T, Hkv, D])``."""
         c, w = self.c, self.w
         hq, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        if self.position_ids:   # ONNX Runtime's RotaryEmbedding over the q and k heads
-            qkv = w.op("Reshape", self.linear(x, f"layers.{i}.qkv"), w.const([-1, 1, (hq + 2 * hkv) * d]))
-            qk, v = w.op("Split", qkv, w.const([(hq + hkv) * d, hkv * d]), axis=2, outputs=2)
-            qk = w.op("RotaryEmbedding", qk, self.position_ids, self.weight("rope.cos"),
-                      self.weight("rope.sin"), domain=MS_DOMAIN, num_heads=hq + hkv, interleaved=0)
-            q, k = w.op("Split", w.op("Reshape", qk, w.const([-1, hq + hkv, d])), w.const([hq, hkv]),
-                        axis=1, outputs=2)
-            v = w.op("Reshape", v, w.const([-1, hkv, d]))
+        if self.fused_ops:   # one op: rotary on the q and k heads, split into q, k, v (fused_ops.py)
+            q, k, v = w.op(ROTARY_OP_TYPE, self.linear(x, f"layers.{i}.qkv"), "positions", self.weight("rope.cos"),
+                           self.weight("rope.sin"), domain=DOMAIN, outputs=3, num_heads=hq, num_kv_heads=hkv)
             return self._paged_attention(i, q, k, v)
         qkv = w.op("Reshape", self.linear(x, f"layers.{i}.qkv"), w.const([-1, hq + 2 * hkv, d]))
         if self.cos_sin is None:   # no rotary (GPT-2)
@@ -230,6 +227,9 @@ class DecoderGraphWriter:
         if self.c.family == "gpt2":
             return self.linear(w.op("Gelu", self.linear(x, f"layers.{i}.up"), approximate="tanh"),
                                f"layers.{i}.down")
+        if self.fused_ops:   # silu(gate) * up as one op (fused_ops.py)
+            return self.linear(w.op(SILU_OP_TYPE, self.linear(x, f"layers.{i}.gate_up"), domain=DOMAIN),
+                               f"layers.{i}.down")
         gate, up = w.op("Split", self.linear(x, f"layers.{i}.gate_up"), axis=1, num_outputs=2, outputs=2)
         return self.linear(w.op("Mul", w.op("Mul", gate, w.op("Sigmoid", gate)), up), f"layers.{i}.down")
 
@@ -239,9 +239,7 @@ class DecoderGraphWriter:
         x = w.op("Gather", self.weight("embed.weight"), "input_ids", axis=0)      # [T, hidden]
         if c.family == "gpt2":
             x = w.op("Add", x, w.op("Gather", self.weight("pos_embed.weight"), "positions", axis=0))
-        elif self.ort_ops:    # RotaryEmbedding reads the cos/sin tables at these positions itself
-            self.position_ids = w.op("Unsqueeze", "positions", w.const([1]))
-        else:
+        elif not self.fused_ops:   # (RotarySplitQKV reads the cos/sin tables at the positions itself)
             self.cos_sin = self.rope_tables()
         if self.kv_write == "runtime":     # the TensorRT plugin's node keeps the 9 inputs
             block_size = w.op("Shape", "key_cache.0", start=1, end=2)
@@ -308,6 +306,8 @@ class DecoderGraphWriter:
         functions = (make_onnx_functions(heads=(c.num_heads, c.num_kv_heads, c.head_dim),
                                          decode_path=self.ort_ops)
                      if self.kv_write == "runtime" else [in_op_function()])
+        if self.fused_ops:
+            functions += [make_rotary_function(c.num_heads, c.num_kv_heads, c.head_dim), make_silu_function()]
         model = helper.make_model(graph, opset_imports=opsets, functions=functions,
                                   producer_name="trtllm-lite")
         model.ir_version = 10

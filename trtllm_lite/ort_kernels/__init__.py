@@ -1,10 +1,16 @@
 """C++ kernels for ONNX Runtime's CPU execution provider, built on first use.
 
-``paged_decode_attention.cc`` implements the ``trtllm_lite::PagedDecodeAttention`` op (the
-PagedAttention op's decode step, ``builder/paged_attention.py``) as an ONNX Runtime custom
-operator. The engines' graphs carry the same op as an ONNX function; ONNX Runtime runs the
-kernel where the library is registered with the session and inlines the function otherwise,
-so a missing compiler costs speed, never correctness.
+ONNX Runtime custom operators in the ``trtllm_lite`` domain (``register.cc`` adds them):
+
+* ``PagedDecodeAttention`` (``paged_decode_attention.cc``): the PagedAttention op's decode step
+  (``builder/paged_attention.py``), read straight from the paged KV pool;
+* ``RotarySplitQKV`` and ``SiluAndMul`` (``elementwise.cc``): the fused QKV projection's output
+  to rotated q, k and v, and the fused gate/up projection's output to ``silu(gate) * up``
+  (``builder/fused_ops.py``).
+
+The engines' graphs carry every op as an ONNX function too; ONNX Runtime runs the kernel
+where the library is registered with the session and inlines the function otherwise, so a
+missing compiler costs speed, never correctness.
 
 The library is compiled with the host C++ compiler (``$CXX``, default ``g++``) for this CPU
 (``-march=native``) into a cache folder keyed by the sources, flags, compiler and CPU:
@@ -26,7 +32,7 @@ import warnings
 from pathlib import Path
 
 LIBRARY_NAME = "libtrtllm_lite_ort_kernels.so"
-SOURCES = ("paged_decode_attention.cc", "ort_abi.h")
+SOURCES = ("register.cc", "paged_decode_attention.cc", "elementwise.cc", "kernel_common.h", "ort_abi.h")
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
              "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-maybe-uninitialized")
 MIN_ORT_API_VERSION = 17        # KernelContext_ParallelFor (ONNX Runtime 1.17)
@@ -87,10 +93,10 @@ def build_library(out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, str(_HERE / SOURCES[0])],
-                              capture_output=True, text=True)
+        units = [str(_HERE / name) for name in SOURCES if name.endswith(".cc")]
+        proc = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, *units], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise KernelBuildError(f"{cxx} failed on {SOURCES[0]}:\n{proc.stderr[-4000:]}")
+            raise KernelBuildError(f"{cxx} failed on {', '.join(units)}:\n{proc.stderr[-4000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

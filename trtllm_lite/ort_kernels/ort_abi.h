@@ -87,6 +87,7 @@ enum Slot : size_t {
   kGetDimensions = 62,                // OrtStatus* (const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)
   kGetTensorTypeAndShape = 65,        // OrtStatus* (const OrtValue*, OrtTensorTypeAndShapeInfo** out)
   kKernelInfoGetAttributeFloat = 85,  // OrtStatus* (const OrtKernelInfo*, const char* name, float* out)
+  kKernelInfoGetAttributeInt64 = 86,  // OrtStatus* (const OrtKernelInfo*, const char* name, int64_t* out)
   kKernelContextGetInput = 90,        // OrtStatus* (const OrtKernelContext*, size_t, const OrtValue** out)
   kKernelContextGetOutput = 91,       // OrtStatus* (OrtKernelContext*, size_t, const int64_t* dims,
                                       //             size_t dim_count, OrtValue** out)

@@ -27,87 +27,17 @@
 #include <string>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "kernel_common.h"
 
-#include "ort_abi.h"
-
+namespace trtllm_lite_kernels {
 namespace {
-
-using namespace ort_abi;
-
-const OrtApi* g_api = nullptr;
 
 constexpr size_t kNumInputs = 16;
 constexpr int64_t kMinSequencesPerItemSplit = 8;
-constexpr ONNXTensorElementDataType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-constexpr ONNXTensorElementDataType kI64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-constexpr ONNXTensorElementDataType kBool = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
 constexpr ONNXTensorElementDataType kInputTypes[kNumInputs] = {
     kF32, kF32, kF32, kF32, kF32, kI64, kI64,            // the op's own inputs
     kI64, kF32, kI64, kI64, kI64, kI64, kF32, kF32, kBool  // the function body's metadata
 };
-
-OrtStatus* error(OrtErrorCode code, const std::string& message) {
-  return slot<OrtStatus* (*)(OrtErrorCode, const char*)>(g_api, kCreateStatus)(code, message.c_str());
-}
-
-#define RETURN_IF_ERROR(expr)         \
-  do {                                \
-    if (OrtStatus* s_ = (expr)) return s_; \
-  } while (0)
-
-struct Tensor {
-  const OrtValue* value = nullptr;
-  std::vector<int64_t> dims;
-};
-
-OrtStatus* read_input(OrtKernelContext* ctx, size_t index, Tensor* out) {
-  RETURN_IF_ERROR(slot<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(
-      g_api, kKernelContextGetInput)(ctx, index, &out->value));
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  RETURN_IF_ERROR(slot<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(
-      g_api, kGetTensorTypeAndShape)(out->value, &info));
-  size_t rank = 0;
-  OrtStatus* s = slot<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(
-      g_api, kGetDimensionsCount)(info, &rank);
-  if (!s) {
-    out->dims.resize(rank);
-    s = slot<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(g_api, kGetDimensions)(
-        info, out->dims.data(), rank);
-  }
-  slot<void (*)(OrtTensorTypeAndShapeInfo*)>(g_api, kReleaseTensorTypeAndShapeInfo)(info);
-  return s;
-}
-
-template <typename T>
-OrtStatus* data_of(const OrtValue* value, T** out) {
-  void* p = nullptr;
-  RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtValue*, void**)>(g_api, kGetTensorMutableData)(
-      const_cast<OrtValue*>(value), &p));
-  *out = static_cast<T*>(p);
-  return nullptr;
-}
-
-// e^x for x <= 0 (scores minus their max), vectorizable: x = n ln2 + r, |r| <= ln2 / 2,
-// e^r by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n through the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
 
 struct DecodeStep {
   const float *query, *key, *value, *key_cache, *value_cache;
@@ -183,23 +113,6 @@ void attend_portable(const DecodeStep& st, int64_t s, int64_t h, float* scores, 
 }
 
 #ifdef __AVX512F__
-// e^x for x <= 0, 16 lanes: exp_nonpositive's polynomial, 2^n by vscalefps.
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // AVX-512 version for head_dim = 16 * NC: KV heads [h0, h0 + nh) of sequence s, each pool row
 // read once for all of them (one contiguous nh * D stretch) and held in NC registers per head.
 template <int NC>
@@ -302,18 +215,12 @@ void attend(void* user, size_t item) {
   for (int64_t h = h0; h < h0 + nh; ++h) attend_portable(st, s, h, scores, acc);
 }
 
-struct Kernel {
+struct Kernel : KernelBase {
   float scale = 1.0f;
+  OrtStatus* compute(OrtKernelContext* context) override;
 };
 
-std::string dims_string(const std::vector<int64_t>& dims) {
-  std::string out = "[";
-  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
-  return out + "]";
-}
-
-OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
-  const Kernel& kernel = *static_cast<const Kernel*>(kernel_ptr);
+OrtStatus* Kernel::compute(OrtKernelContext* context) {
   Tensor t[7];
   for (size_t i = 0; i < 7; ++i) RETURN_IF_ERROR(read_input(context, i, &t[i]));
   const char* names[7] = {"query", "key", "value", "key_cache", "value_cache", "block_tables", "context_lens"};
@@ -362,32 +269,24 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* context) {
                                                " outside the pool's " + std::to_string(N) + " blocks");
     }
   }
-  const int64_t out_dims[3] = {S, H, D};
-  OrtValue* out = nullptr;
-  RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
-      g_api, kKernelContextGetOutput)(context, 0, out_dims, 3, &out));
-  RETURN_IF_ERROR(data_of(out, &step.output));
+  RETURN_IF_ERROR(new_output(context, 0, {S, H, D}, &step.output));
   if (S == 0) return nullptr;
   step.num_heads = H;
   step.num_kv_heads = Hkv;
   step.head_dim = D;
   step.block_size = B;
   step.max_blocks = M;
-  step.scale = kernel.scale;
+  step.scale = scale;
   // a work item per sequence reads its pool rows contiguously (all KV heads: measured ~25%
   // faster than per-head items at 8-64 sequences on 2 cores); with fewer sequences, a work
   // item per (sequence, KV head) keeps the threads busy
   step.heads_per_item = S >= kMinSequencesPerItemSplit ? Hkv : 1;
-  return slot<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      g_api, kKernelContextParallelFor)(context, attend, static_cast<size_t>(S * Hkv / step.heads_per_item), 0,
-                                        &step);
+  return parallel_for(context, attend, static_cast<size_t>(S * Hkv / step.heads_per_item), &step);
 }
 
-OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
   auto* k = new Kernel();
-  OrtStatus* s = slot<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(
-      g_api, kKernelInfoGetAttributeFloat)(info, "scale", &k->scale);
-  if (s) {
+  if (OrtStatus* s = float_attribute(info, "scale", &k->scale)) {
     delete k;
     return s;
   }
@@ -395,37 +294,11 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*
   return nullptr;
 }
 
-OrtCustomOp make_op() {
-  OrtCustomOp op{};
-  op.version = 16;   // fields through KernelComputeV2
-  op.GetName = [](const OrtCustomOp*) { return "PagedDecodeAttention"; };
-  op.GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) { return kNumInputs; };
-  op.GetInputType = [](const OrtCustomOp*, size_t i) { return kInputTypes[i]; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t{1}; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return kF32; };
-  op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  return op;
-}
-
-const OrtCustomOp kDecodeOp = make_op();
-
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
-                                                                               const OrtApiBase* base) {
-  g_api = base->GetApi(kApiVersion);
-  if (g_api == nullptr) return nullptr;   // an older ONNX Runtime: the function bodies run
-  OrtCustomOpDomain* domain = nullptr;
-  RETURN_IF_ERROR(slot<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(g_api, kCreateCustomOpDomain)(
-      "trtllm_lite", &domain));
-  RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, kCustomOpDomainAdd)(
-      domain, &kDecodeOp));
-  // the domain must outlive every session that uses it: it is never released
-  return slot<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(g_api, kAddCustomOpDomain)(options, domain);
+const OrtCustomOp* paged_decode_attention_op() {
+  static const CustomOp op({"PagedDecodeAttention", kInputTypes, kNumInputs, 1, create_kernel});
+  return &op;
 }
+
+}  // namespace trtllm_lite_kernels

@@ -1,0 +1,62 @@
+"""Fused elementwise ops of the ONNX Runtime graphs, as model-local ONNX functions.
+
+Each replaces a chain of small nodes around a GEMM. ONNX Runtime runs trtllm-lite's C++
+kernel for the op where the runtime registers it (``trtllm_lite/ort_kernels/elementwise.cc``,
+one pass over the data) and inlines the function body below otherwise (the same ops the
+graphs used before). Only the ONNX Runtime graphs use them (``export_onnx``'s ``ort_ops``).
+
+``trtllm_lite::RotarySplitQKV`` (attributes ``num_heads`` H, ``num_kv_heads`` Hkv)::
+
+    qkv [T, (H + 2 Hkv) * D] float32, positions [T] int64,
+    cos_cache, sin_cache [max_positions, D / 2] float32
+      -> q [T, H, D], k [T, Hkv, D] (rotary embedding applied, rotate-half form: RoFormer,
+         Su et al. 2021), v [T, Hkv, D]
+
+``trtllm_lite::SiluAndMul``::
+
+    gate_up [T, 2 I] float32 (gate columns first) -> silu(gate) * up  [T, I]
+    (SwiGLU, Shazeer 2020; vLLM's ``silu_and_mul``)
+"""
+from __future__ import annotations
+
+from .paged_attention import DOMAIN
+
+ROTARY_OP_TYPE = "RotarySplitQKV"
+SILU_OP_TYPE = "SiluAndMul"
+MS_DOMAIN = "com.microsoft"
+
+
+def make_rotary_function(num_heads: int, num_kv_heads: int, head_dim: int, opset: int | None = None):
+    """``RotarySplitQKV``'s body for this model's head counts: ONNX Runtime's
+    ``com.microsoft.RotaryEmbedding`` over the q and k heads together, then the splits."""
+    from onnx import helper
+
+    from .onnx_graph import OPSET, NodeWriter
+
+    w = NodeWriter("rq_")
+    hq, hkv, d = num_heads, num_kv_heads, head_dim
+    qkv = w.op("Reshape", "qkv", w.const([-1, 1, (hq + 2 * hkv) * d]))
+    qk, v = w.op("Split", qkv, w.const([(hq + hkv) * d, hkv * d]), axis=2, outputs=2)
+    qk = w.op("RotaryEmbedding", qk, w.op("Unsqueeze", "positions", w.const([1])), "cos_cache", "sin_cache",
+              domain=MS_DOMAIN, num_heads=hq + hkv, interleaved=0)
+    w.op("Split", w.op("Reshape", qk, w.const([-1, hq + hkv, d])), w.const([hq, hkv]), axis=1,
+         outputs=["q", "k"])
+    w.op("Reshape", v, w.const([-1, hkv, d]), outputs=["v"])
+    return helper.make_function(DOMAIN, ROTARY_OP_TYPE, ["qkv", "positions", "cos_cache", "sin_cache"],
+                                ["q", "k", "v"], w.nodes,
+                                [helper.make_opsetid("", opset or OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+                                attributes=["num_heads", "num_kv_heads"])
+
+
+def make_silu_function(opset: int | None = None):
+    """``SiluAndMul``'s body: split, ``gate * sigmoid(gate) * up`` (ONNX Runtime fuses the
+    first product into its ``QuickGelu``)."""
+    from onnx import helper
+
+    from .onnx_graph import OPSET, NodeWriter
+
+    w = NodeWriter("sm_")
+    gate, up = w.op("Split", "gate_up", axis=1, num_outputs=2, outputs=2)
+    w.op("Mul", w.op("Mul", gate, w.op("Sigmoid", gate)), up, outputs=["output"])
+    return helper.make_function(DOMAIN, SILU_OP_TYPE, ["gate_up"], ["output"], w.nodes,
+                                [helper.make_opsetid("", opset or OPSET)])

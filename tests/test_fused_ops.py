@@ -1,0 +1,127 @@
+"""RotarySplitQKV and SiluAndMul (builder/fused_ops.py): the C++ kernels and the ONNX function
+bodies against numpy."""
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from builder.fused_ops import ROTARY_OP_TYPE, SILU_OP_TYPE, make_rotary_function, make_silu_function
+from builder.onnx_graph import OPSET
+from builder.paged_attention import DOMAIN
+
+
+@pytest.fixture(scope="module")
+def kernel_library():
+    from trtllm_lite.ort_kernels import KernelBuildError, build_library
+    try:
+        return str(build_library())
+    except KernelBuildError as e:
+        pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
+
+
+def one_node_session(node, inputs, outputs, function, library=None):
+    """A graph of one trtllm_lite node carrying its function; with ``library`` registered the
+    kernel runs (profiled, to tell which ran)."""
+    graph = helper.make_graph([node], "g", inputs, outputs)
+    model = helper.make_model(graph, functions=[function],
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1),
+                                             helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    if library:
+        so.register_custom_ops_library(library)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def ops_run(sess) -> set:
+    with open(sess.end_profiling()) as f:
+        return {e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node"}
+
+
+def rotary_session(heads, kv_heads, head_dim, library=None):
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    node = helper.make_node(ROTARY_OP_TYPE, ["qkv", "positions", "cos", "sin"], ["q", "k", "v"], domain=DOMAIN,
+                            num_heads=heads, num_kv_heads=kv_heads)
+    inputs = [helper.make_tensor_value_info("qkv", f32, ["T", (heads + 2 * kv_heads) * head_dim]),
+              helper.make_tensor_value_info("positions", i64, ["T"]),
+              helper.make_tensor_value_info("cos", f32, ["P", head_dim // 2]),
+              helper.make_tensor_value_info("sin", f32, ["P", head_dim // 2])]
+    outputs = [helper.make_tensor_value_info(n, f32, None) for n in ("q", "k", "v")]
+    return one_node_session(node, inputs, outputs, make_rotary_function(heads, kv_heads, head_dim), library)
+
+
+def rotary_reference(qkv, positions, cos, sin, heads, kv_heads):
+    """Rotate-half rotary embedding (HF Llama's ``apply_rotary_pos_emb``) in float64."""
+    t, d = len(positions), cos.shape[1] * 2
+    x = qkv.astype(np.float64).reshape(t, heads + 2 * kv_heads, d)
+    c = np.concatenate([cos[positions]] * 2, axis=-1)[:, None].astype(np.float64)
+    s = np.concatenate([sin[positions]] * 2, axis=-1)[:, None].astype(np.float64)
+    qk = x[:, :heads + kv_heads]
+    rotated = qk * c + np.concatenate([-qk[..., d // 2:], qk[..., :d // 2]], axis=-1) * s
+    return rotated[:, :heads], rotated[:, heads:], x[:, heads + kv_heads:]
+
+
+def rotary_inputs(rng, tokens, heads, kv_heads, head_dim, max_pos=64):
+    angles = np.outer(np.arange(max_pos), 10000.0 ** (-np.arange(head_dim // 2) * 2 / head_dim))
+    return {"qkv": rng.standard_normal((tokens, (heads + 2 * kv_heads) * head_dim)).astype(np.float32),
+            "positions": rng.integers(0, max_pos, tokens).astype(np.int64),
+            "cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
+
+
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["kernel", "function-body"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [
+    (9, 3, 64, 1), (9, 3, 64, 37), (4, 4, 16, 5), (8, 1, 128, 20), (4, 2, 12, 9),
+])
+def test_rotary_split_qkv_matches_reference(kernel_library, with_kernel, heads, kv_heads, head_dim, tokens):
+    feed = rotary_inputs(np.random.default_rng(0), tokens, heads, kv_heads, head_dim)
+    sess = rotary_session(heads, kv_heads, head_dim, kernel_library if with_kernel else None)
+    got = sess.run(None, feed)
+    assert (ROTARY_OP_TYPE in ops_run(sess)) is with_kernel
+    for g, want in zip(got, rotary_reference(feed["qkv"], feed["positions"], feed["cos"], feed["sin"],
+                                             heads, kv_heads)):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_kernel_rejects_positions_outside_the_tables(kernel_library):
+    """A position past the rotary tables is an INVALID_ARGUMENT naming ``positions``; the
+    session goes on."""
+    sess = rotary_session(9, 3, 64, kernel_library)
+    feed = rotary_inputs(np.random.default_rng(1), 4, 9, 3, 64)
+    feed["positions"][2] = 64
+    with pytest.raises(Exception, match=r"positions\[2\] = 64 outside the rotary tables' 64 positions"):
+        sess.run(None, feed)
+    feed["positions"][2] = 63
+    assert all(np.isfinite(x).all() for x in sess.run(None, feed))
+
+
+def silu_session(library=None):
+    f32 = TensorProto.FLOAT
+    node = helper.make_node(SILU_OP_TYPE, ["gate_up"], ["out"], domain=DOMAIN)
+    return one_node_session(node, [helper.make_tensor_value_info("gate_up", f32, ["T", "W"])],
+                            [helper.make_tensor_value_info("out", f32, None)], make_silu_function(), library)
+
+
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["kernel", "function-body"])
+@pytest.mark.parametrize("tokens,width", [(1, 1536), (33, 1536), (3, 40), (2, 7)])
+def test_silu_and_mul_matches_reference(kernel_library, with_kernel, tokens, width):
+    """Including inputs far out in both tails (silu(-100) = -0, silu(100) = 100) and widths
+    that are not a multiple of the vector width. (The function body runs ONNX Runtime's
+    QuickGelu fusion, whose sigmoid is approximate: looser there.)"""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((tokens, 2 * width)) * 4).astype(np.float32)
+    x[0, :3] = [-100.0, 100.0, 0.0]
+    sess = silu_session(kernel_library if with_kernel else None)
+    (got,) = sess.run(None, {"gate_up": x})
+    assert (SILU_OP_TYPE in ops_run(sess)) is with_kernel
+    g, up = x[:, :width].astype(np.float64), x[:, width:].astype(np.float64)
+    want = g / (1 + np.exp(-g)) * up
+    tolerance = dict(rtol=2e-6, atol=1e-6) if with_kernel else dict(rtol=1e-3, atol=2e-5)
+    np.testing.assert_allclose(got, want, **tolerance)
+
+
+def test_silu_and_mul_rejects_an_odd_width(kernel_library):
+    sess = silu_session(kernel_library)
+    with pytest.raises(Exception, match=r"gate_up \[2, 7\] is not \[T, 2 \* I\]"):
+        sess.run(None, {"gate_up": np.zeros((2, 7), np.float32)})

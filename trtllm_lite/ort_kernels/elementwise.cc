@@ -1,0 +1,170 @@
+// Two fused elementwise ops around the attention and MLP GEMMs, each replacing a chain of
+// small ONNX Runtime nodes (and the copies between them) with one pass over the data:
+//
+// trtllm_lite::RotarySplitQKV   the fused QKV projection's output -> rotated q, rotated k, v
+//   inputs   qkv [T, (H + 2 Hkv) * D] float32, positions [T] int64,
+//            cos_cache, sin_cache [max_positions, D / 2] float32
+//   attrs    num_heads H, num_kv_heads Hkv (int)
+//   outputs  q [T, H, D], k [T, Hkv, D], v [T, Hkv, D] float32
+//   Rotary embedding, rotate-half form (RoFormer, Su et al. 2021; HF Llama's rotate_half):
+//   for i < D/2, c = cos[p, i], s = sin[p, i]: y_i = x_i c - x_{i+D/2} s, y_{i+D/2} = x_{i+D/2} c + x_i s.
+//
+// trtllm_lite::SiluAndMul   the fused gate/up projection's output -> SwiGLU activation
+//   input    gate_up [T, 2 I] float32 (gate columns first); output [T, I] = silu(gate) * up,
+//   silu(x) = x / (1 + e^-x) (Shazeer 2020, "GLU variants improve Transformer"; vLLM's silu_and_mul)
+#include "kernel_common.h"
+
+namespace trtllm_lite_kernels {
+namespace {
+
+constexpr int64_t kRowsPerItem = 8;   // tokens per parallel work item
+
+// ---- RotarySplitQKV ------------------------------------------------------------------------
+constexpr ONNXTensorElementDataType kRotaryInputs[4] = {kF32, kI64, kF32, kF32};
+
+struct RotaryStep {
+  const float *qkv, *cos, *sin;
+  const int64_t* positions;
+  float *q, *k, *v;
+  int64_t tokens, heads, kv_heads, head_dim;
+};
+
+void rotate_rows(void* user, size_t item) {
+  const RotaryStep& st = *static_cast<const RotaryStep*>(user);
+  const int64_t d = st.head_dim, half = d / 2, width = (st.heads + 2 * st.kv_heads) * d;
+  const int64_t end = std::min(st.tokens, static_cast<int64_t>(item + 1) * kRowsPerItem);
+  for (int64_t t = static_cast<int64_t>(item) * kRowsPerItem; t < end; ++t) {
+    const float* row = st.qkv + t * width;
+    const float* c = st.cos + st.positions[t] * half;
+    const float* s = st.sin + st.positions[t] * half;
+    for (int64_t h = 0; h < st.heads + st.kv_heads; ++h) {
+      const float* x = row + h * d;
+      float* y = h < st.heads ? st.q + (t * st.heads + h) * d : st.k + (t * st.kv_heads + h - st.heads) * d;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        y[i] = x[i] * c[i] - x[i + half] * s[i];
+        y[i + half] = x[i + half] * c[i] + x[i] * s[i];
+      }
+    }
+    std::memcpy(st.v + t * st.kv_heads * d, row + (st.heads + st.kv_heads) * d, sizeof(float) * st.kv_heads * d);
+  }
+}
+
+struct RotaryKernel : KernelBase {
+  int64_t heads = 0, kv_heads = 0;
+  OrtStatus* compute(OrtKernelContext* context) override;
+};
+
+OrtStatus* RotaryKernel::compute(OrtKernelContext* context) {
+  Tensor qkv, positions, cos, sin;
+  RETURN_IF_ERROR(read_input(context, 0, &qkv));
+  RETURN_IF_ERROR(read_input(context, 1, &positions));
+  RETURN_IF_ERROR(read_input(context, 2, &cos));
+  RETURN_IF_ERROR(read_input(context, 3, &sin));
+  if (qkv.dims.size() != 2 || positions.dims.size() != 1 || positions.dims[0] != qkv.dims[0])
+    return error(ORT_INVALID_ARGUMENT, "RotarySplitQKV: qkv " + dims_string(qkv.dims) + " and positions " +
+                                           dims_string(positions.dims) + " must be [T, width] and [T]");
+  const int64_t T = qkv.dims[0], n = heads + 2 * kv_heads;
+  if (cos.dims.size() != 2 || cos.dims != sin.dims || n <= 0 || qkv.dims[1] != n * 2 * cos.dims[1])
+    return error(ORT_INVALID_ARGUMENT, "RotarySplitQKV: qkv " + dims_string(qkv.dims) + " is not " +
+                                           std::to_string(n) + " heads of twice cos_cache " +
+                                           dims_string(cos.dims) + "'s width (sin_cache " + dims_string(sin.dims) + ")");
+  RotaryStep st{};
+  st.tokens = T;
+  st.heads = heads;
+  st.kv_heads = kv_heads;
+  st.head_dim = 2 * cos.dims[1];
+  RETURN_IF_ERROR(data_of(qkv.value, &st.qkv));
+  RETURN_IF_ERROR(data_of(positions.value, &st.positions));
+  RETURN_IF_ERROR(data_of(cos.value, &st.cos));
+  RETURN_IF_ERROR(data_of(sin.value, &st.sin));
+  for (int64_t t = 0; t < T; ++t)
+    if (st.positions[t] < 0 || st.positions[t] >= cos.dims[0])
+      return error(ORT_INVALID_ARGUMENT, "RotarySplitQKV: positions[" + std::to_string(t) + "] = " +
+                                             std::to_string(st.positions[t]) + " outside the rotary tables' " +
+                                             std::to_string(cos.dims[0]) + " positions");
+  RETURN_IF_ERROR(new_output(context, 0, {T, heads, st.head_dim}, &st.q));
+  RETURN_IF_ERROR(new_output(context, 1, {T, kv_heads, st.head_dim}, &st.k));
+  RETURN_IF_ERROR(new_output(context, 2, {T, kv_heads, st.head_dim}, &st.v));
+  if (T == 0) return nullptr;
+  return parallel_for(context, rotate_rows, static_cast<size_t>((T + kRowsPerItem - 1) / kRowsPerItem), &st);
+}
+
+OrtStatus* create_rotary(const OrtKernelInfo* info, void** kernel) {
+  auto* k = new RotaryKernel();
+  OrtStatus* s = int_attribute(info, "num_heads", &k->heads);
+  if (!s) s = int_attribute(info, "num_kv_heads", &k->kv_heads);
+  if (s) {
+    delete k;
+    return s;
+  }
+  *kernel = k;
+  return nullptr;
+}
+
+// ---- SiluAndMul ----------------------------------------------------------------------------
+constexpr ONNXTensorElementDataType kSiluInputs[1] = {kF32};
+
+struct SiluStep {
+  const float* gate_up;
+  float* out;
+  int64_t tokens, width;   // width = I
+};
+
+void silu_rows(void* user, size_t item) {
+  const SiluStep& st = *static_cast<const SiluStep*>(user);
+  const int64_t w = st.width;
+  const int64_t end = std::min(st.tokens, static_cast<int64_t>(item + 1) * kRowsPerItem);
+  for (int64_t t = static_cast<int64_t>(item) * kRowsPerItem; t < end; ++t) {
+    const float* gate = st.gate_up + t * 2 * w;
+    const float* up = gate + w;
+    float* y = st.out + t * w;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= w; i += 16) {
+      const __m512 g = _mm512_loadu_ps(gate + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < w; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+}
+
+struct SiluKernel : KernelBase {
+  OrtStatus* compute(OrtKernelContext* context) override;
+};
+
+OrtStatus* SiluKernel::compute(OrtKernelContext* context) {
+  Tensor x;
+  RETURN_IF_ERROR(read_input(context, 0, &x));
+  if (x.dims.size() != 2 || x.dims[1] % 2 != 0)
+    return error(ORT_INVALID_ARGUMENT, "SiluAndMul: gate_up " + dims_string(x.dims) + " is not [T, 2 * I]");
+  SiluStep st{};
+  st.tokens = x.dims[0];
+  st.width = x.dims[1] / 2;
+  RETURN_IF_ERROR(data_of(x.value, &st.gate_up));
+  RETURN_IF_ERROR(new_output(context, 0, {st.tokens, st.width}, &st.out));
+  if (st.tokens == 0) return nullptr;
+  return parallel_for(context, silu_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem), &st);
+}
+
+OrtStatus* create_silu(const OrtKernelInfo*, void** kernel) {
+  *kernel = new SiluKernel();
+  return nullptr;
+}
+
+}  // namespace
+
+const OrtCustomOp* rotary_split_qkv_op() {
+  static const CustomOp op({"RotarySplitQKV", kRotaryInputs, 4, 3, create_rotary});
+  return &op;
+}
+
+const OrtCustomOp* silu_and_mul_op() {
+  static const CustomOp op({"SiluAndMul", kSiluInputs, 1, 1, create_silu});
+  return &op;
+}
+
+}  // namespace trtllm_lite_kernels

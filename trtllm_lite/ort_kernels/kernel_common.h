@@ -1,0 +1,166 @@
+// Helpers shared by trtllm-lite's ONNX Runtime CPU kernels: the API table, errors, inputs,
+// and a vectorizable exp.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "ort_abi.h"
+
+namespace trtllm_lite_kernels {
+
+using namespace ort_abi;
+
+// The OrtApi table, set by RegisterCustomOps (register.cc) before any kernel runs.
+extern const OrtApi* g_api;
+
+constexpr ONNXTensorElementDataType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr ONNXTensorElementDataType kI64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+constexpr ONNXTensorElementDataType kBool = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+
+#define RETURN_IF_ERROR(expr)              \
+  do {                                     \
+    if (OrtStatus* s_ = (expr)) return s_; \
+  } while (0)
+
+inline OrtStatus* error(OrtErrorCode code, const std::string& message) {
+  return slot<OrtStatus* (*)(OrtErrorCode, const char*)>(g_api, kCreateStatus)(code, message.c_str());
+}
+
+struct Tensor {
+  const OrtValue* value = nullptr;
+  std::vector<int64_t> dims;
+};
+
+inline OrtStatus* read_input(OrtKernelContext* ctx, size_t index, Tensor* out) {
+  RETURN_IF_ERROR(slot<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(
+      g_api, kKernelContextGetInput)(ctx, index, &out->value));
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  RETURN_IF_ERROR(slot<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(
+      g_api, kGetTensorTypeAndShape)(out->value, &info));
+  size_t rank = 0;
+  OrtStatus* s = slot<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(
+      g_api, kGetDimensionsCount)(info, &rank);
+  if (!s) {
+    out->dims.resize(rank);
+    s = slot<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(g_api, kGetDimensions)(
+        info, out->dims.data(), rank);
+  }
+  slot<void (*)(OrtTensorTypeAndShapeInfo*)>(g_api, kReleaseTensorTypeAndShapeInfo)(info);
+  return s;
+}
+
+template <typename T>
+OrtStatus* data_of(const OrtValue* value, T** out) {
+  void* p = nullptr;
+  RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtValue*, void**)>(g_api, kGetTensorMutableData)(
+      const_cast<OrtValue*>(value), &p));
+  *out = static_cast<T*>(p);
+  return nullptr;
+}
+
+// e^x for x <= 0 (scores minus their max), vectorizable: x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n through the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+inline std::string dims_string(const std::vector<int64_t>& dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+#ifdef __AVX512F__
+// e^x for x <= 0, 16 lanes: exp_nonpositive's polynomial, 2^n by vscalefps.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// e^x for x in [-87, 88] (clamped outside), 16 lanes.
+inline __m512 exp16(__m512 x) { return exp_nonpositive16(_mm512_min_ps(x, _mm512_set1_ps(88.0f))); }
+#endif
+
+// A kernel instance (one per node): its attributes, and the step's computation.
+struct KernelBase {
+  virtual ~KernelBase() = default;
+  virtual OrtStatus* compute(OrtKernelContext* context) = 0;
+};
+
+// An OrtCustomOp for the CPU execution provider with the status-returning entry points
+// (version 16 fields): every input and output required, in default memory, outputs float32.
+struct OpSpec {
+  const char* name;
+  const ONNXTensorElementDataType* input_types;
+  size_t num_inputs;
+  size_t num_outputs;          // float32 outputs
+  OrtStatus* (*create)(const OrtKernelInfo* info, void** kernel);   // a new KernelBase
+};
+
+struct CustomOp : OrtCustomOp {
+  explicit CustomOp(const OpSpec& spec);
+  const OpSpec spec;
+};
+
+inline OrtStatus* float_attribute(const OrtKernelInfo* info, const char* name, float* out) {
+  return slot<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(g_api, kKernelInfoGetAttributeFloat)(
+      info, name, out);
+}
+
+inline OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out) {
+  return slot<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api, kKernelInfoGetAttributeInt64)(
+      info, name, out);
+}
+
+inline OrtStatus* new_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
+                             float** data) {
+  OrtValue* value = nullptr;
+  RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
+      g_api, kKernelContextGetOutput)(context, index, dims.data(), dims.size(), &value));
+  return data_of(value, data);
+}
+
+// fn(user, i) for i in [0, total) on ONNX Runtime's intra-op threads.
+inline OrtStatus* parallel_for(OrtKernelContext* context, void (*fn)(void*, size_t), size_t total, void* user) {
+  return slot<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+      g_api, kKernelContextParallelFor)(context, fn, total, 0, user);
+}
+
+// Each kernel file's op (register.cc adds them to the "trtllm_lite" domain).
+const OrtCustomOp* paged_decode_attention_op();
+const OrtCustomOp* rotary_split_qkv_op();
+const OrtCustomOp* silu_and_mul_op();
+
+}  // namespace trtllm_lite_kernels
