@@ -1,6 +1,8 @@
 """RotarySplitQKV and SiluAndMul (builder/fused_ops.py): the C++ kernels and the ONNX function
 bodies against numpy."""
 import json
+import os
+import tempfile
 
 import numpy as np
 import onnxruntime as ort
@@ -30,14 +32,19 @@ def one_node_session(node, inputs, outputs, function, library=None):
                                              helper.make_opsetid("com.microsoft", 1)])
     so = ort.SessionOptions()
     so.enable_profiling = True
+    so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "trtllm_lite_test_profile")
     if library:
         so.register_custom_ops_library(library)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def ops_run(sess) -> set:
-    with open(sess.end_profiling()) as f:
-        return {e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node"}
+    """The op types ONNX Runtime's profile saw run (the profile file is removed)."""
+    path = sess.end_profiling()
+    with open(path) as f:
+        events = json.load(f)
+    os.remove(path)
+    return {e["args"].get("op_name") for e in events if e.get("cat") == "Node"}
 
 
 def rotary_session(heads, kv_heads, head_dim, library=None):

@@ -1,4 +1,8 @@
 """The PagedAttention ONNX function body against the float64 numpy reference."""
+import json
+import os
+import tempfile
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -152,6 +156,7 @@ def kernel_session(kernel_library, heads, kv_heads, head_dim, profile=False):
     so = ort.SessionOptions()
     so.register_custom_ops_library(kernel_library)
     so.enable_profiling = profile
+    so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "trtllm_lite_test_profile")
     return single_op_session(heads, kv_heads, head_dim, True, True, so)
 
 
@@ -159,13 +164,13 @@ def kernel_session(kernel_library, heads, kv_heads, head_dim, profile=False):
 def test_decode_kernel_matches_reference(kernel_library, heads, kv_heads, head_dim, block_size, ctx, qlens):
     """The C++ PagedDecodeAttention kernel (registered with the session) against the float64
     reference, and it is what ran: ONNX Runtime's profile lists the node by its op."""
-    import json
-
     step = random_step(np.random.default_rng(3), ctx, qlens, heads, kv_heads, head_dim, block_size)
     sess = kernel_session(kernel_library, heads, kv_heads, head_dim, profile=True)
     (got,) = sess.run(None, step)
-    with open(sess.end_profiling()) as f:
+    path = sess.end_profiling()
+    with open(path) as f:
         ops = {e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node"}
+    os.remove(path)
     assert "PagedDecodeAttention" in ops
     want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
                                      step["value_cache"], step["block_tables"], step["context_lens"],
