@@ -101,3 +101,14 @@ def tiny_model(tmp_path_factory):
         return cache[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def kernel_library():
+    """Path of trtllm-lite's ONNX Runtime kernel library (built once; cached on disk), or a
+    skip with the compiler's reason where it does not build."""
+    from trtllm_lite.ort_kernels import KernelBuildError, build_library
+    try:
+        return str(build_library())
+    except KernelBuildError as e:
+        pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")

@@ -14,15 +14,6 @@ from builder.onnx_graph import OPSET
 from builder.paged_attention import DOMAIN
 
 
-@pytest.fixture(scope="module")
-def kernel_library():
-    from trtllm_lite.ort_kernels import KernelBuildError, build_library
-    try:
-        return str(build_library())
-    except KernelBuildError as e:
-        pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
-
-
 def one_node_session(node, inputs, outputs, function, library=None):
     """A graph of one trtllm_lite node carrying its function; with ``library`` registered the
     kernel runs (profiled, to tell which ran)."""

@@ -143,15 +143,6 @@ DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
 ]
 
 
-@pytest.fixture(scope="module")
-def kernel_library():
-    from trtllm_lite.ort_kernels import KernelBuildError, build_library
-    try:
-        return str(build_library())
-    except KernelBuildError as e:
-        pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
-
-
 def kernel_session(kernel_library, heads, kv_heads, head_dim, profile=False):
     so = ort.SessionOptions()
     so.register_custom_ops_library(kernel_library)
