@@ -30,7 +30,8 @@ from onnx import TensorProto, helper
 
 from .model_config import ModelConfig
 from .onnx_graph import OPSET, NodeWriter, WeightStore
-from .fused_ops import ROTARY_OP_TYPE, SILU_OP_TYPE, make_rotary_function, make_silu_function
+from .fused_ops import (OFFSETS_OP_TYPE, ROTARY_OP_TYPE, SILU_OP_TYPE, make_offsets_function, make_rotary_function,
+                        make_silu_function)
 from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function, make_onnx_functions, write_attention_metadata
 from .quantize import QuantizedLinear
 
@@ -121,7 +122,8 @@ class DecoderGraphWriter:
 
         A quantized weight becomes ``com.microsoft.MatMulNBits`` (see :mod:`builder.quantize`)
         over ``x`` (``[x, x]`` for a split 8-bit weight), plus ``Gemm(blocksum(x), offsets,
-        C=y)`` when its blocks carry float offsets (Q4_1, split 8-bit).
+        C=y)`` when its blocks carry float offsets (Q4_1, split 8-bit): in the ONNX Runtime
+        graphs one ``AddBlockOffsets`` node (:mod:`builder.fused_ops`).
         """
         name, q = prefix + ".weight", self.quantized.get(prefix + ".weight")
         if q is None:
@@ -140,7 +142,11 @@ class DecoderGraphWriter:
         if q.offsets is None:
             return self.w.op("MatMulNBits", *args, outputs=outputs, **attrs)
         y = self.w.op("MatMulNBits", *args, **attrs)
-        sums = self.w.op("MatMul", x, self.block_sum_matrix(q.num_offset_blocks, q.block_size))  # [T, blocks]
+        block_sums = self.block_sum_matrix(q.num_offset_blocks, q.block_size)
+        if self.ort_ops:    # one op, one C++ kernel where registered (fused_ops.py)
+            return self.w.op(OFFSETS_OP_TYPE, y, x, self.weight(name + ".offsets"), block_sums, domain=DOMAIN,
+                             block_size=q.block_size, outputs=outputs)
+        sums = self.w.op("MatMul", x, block_sums)                                           # [T, blocks]
         return self.w.op("Gemm", sums, self.weight(name + ".offsets"), y, transB=1, outputs=outputs)
 
     def block_sum_matrix(self, num_blocks: int, block_size: int) -> str:
@@ -308,6 +314,8 @@ class DecoderGraphWriter:
                      if self.kv_write == "runtime" else [in_op_function()])
         if self.fused_ops:
             functions += [make_rotary_function(c.num_heads, c.num_kv_heads, c.head_dim), make_silu_function()]
+        if self.ort_ops and any(q.offsets is not None for q in self.quantized.values()):
+            functions.append(make_offsets_function())
         model = helper.make_model(graph, opset_imports=opsets, functions=functions,
                                   producer_name="trtllm-lite")
         model.ir_version = 10

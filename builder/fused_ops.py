@@ -16,6 +16,13 @@ graphs used before). Only the ONNX Runtime graphs use them (``export_onnx``'s ``
 
     gate_up [T, 2 I] float32 (gate columns first) -> silu(gate) * up  [T, I]
     (SwiGLU, Shazeer 2020; vLLM's ``silu_and_mul``)
+
+``trtllm_lite::AddBlockOffsets`` (attribute ``block_size``), a block-quantized weight's float
+offsets (GGUF Q4_1's block mins, :mod:`builder.quantize`) added to MatMulNBits' output::
+
+    y [T, N], x [T, K], offsets [N, K / block_size], block_sum_matrix [K, K / block_size] (0/1)
+      -> y + blocksum(x) @ offsets^T   [T, N] float32   (the matrix is the body's; the kernel
+         sums the blocks itself)
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from .paged_attention import DOMAIN
 
 ROTARY_OP_TYPE = "RotarySplitQKV"
 SILU_OP_TYPE = "SiluAndMul"
+OFFSETS_OP_TYPE = "AddBlockOffsets"
 MS_DOMAIN = "com.microsoft"
 
 
@@ -60,3 +68,17 @@ def make_silu_function(opset: int | None = None):
     w.op("Mul", w.op("Mul", gate, w.op("Sigmoid", gate)), up, outputs=["output"])
     return helper.make_function(DOMAIN, SILU_OP_TYPE, ["gate_up"], ["output"], w.nodes,
                                 [helper.make_opsetid("", opset or OPSET)])
+
+
+def make_offsets_function(opset: int | None = None):
+    """``AddBlockOffsets``' body: the block sums as one MatMul with the 0/1 matrix, then
+    ``Gemm(sums, offsets, y, transB=1)``."""
+    from onnx import helper
+
+    from .onnx_graph import OPSET, NodeWriter
+
+    w = NodeWriter("bo_")
+    sums = w.op("MatMul", "x", "block_sum_matrix")                    # [T, blocks]
+    w.op("Gemm", sums, "offsets", "y", transB=1, outputs=["output"])
+    return helper.make_function(DOMAIN, OFFSETS_OP_TYPE, ["y", "x", "offsets", "block_sum_matrix"], ["output"],
+                                w.nodes, [helper.make_opsetid("", opset or OPSET)], attributes=["block_size"])

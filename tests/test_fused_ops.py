@@ -123,3 +123,45 @@ def test_silu_and_mul_rejects_an_odd_width(kernel_library):
     sess = silu_session(kernel_library)
     with pytest.raises(Exception, match=r"gate_up \[2, 7\] is not \[T, 2 \* I\]"):
         sess.run(None, {"gate_up": np.zeros((2, 7), np.float32)})
+
+
+def offsets_session(block_size, library=None):
+    from builder.fused_ops import OFFSETS_OP_TYPE, make_offsets_function
+
+    f32 = TensorProto.FLOAT
+    node = helper.make_node(OFFSETS_OP_TYPE, ["y", "x", "offsets", "block_sum_matrix"], ["out"], domain=DOMAIN,
+                            block_size=block_size)
+    inputs = [helper.make_tensor_value_info(n, f32, None) for n in ("y", "x", "offsets", "block_sum_matrix")]
+    return one_node_session(node, inputs, [helper.make_tensor_value_info("out", f32, None)],
+                            make_offsets_function(), library)
+
+
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["kernel", "function-body"])
+@pytest.mark.parametrize("rows,n,blocks,block_size", [(1, 960, 18, 32), (5, 3072, 18, 32), (70, 37, 3, 32),
+                                                      (2, 576, 48, 32), (9, 100, 4, 16)])
+def test_add_block_offsets_matches_reference(kernel_library, with_kernel, rows, n, blocks, block_size):
+    """y + blocksum(x) @ offsets^T (Q4_1's block mins) against numpy, register tiles with
+    partial row and column tiles included; the same node runs twice (the kernel transposes
+    the constant offsets once)."""
+    from builder.fused_ops import OFFSETS_OP_TYPE
+
+    rng = np.random.default_rng(5)
+    k = blocks * block_size
+    feed = {"y": rng.standard_normal((rows, n)).astype(np.float32),
+            "x": rng.standard_normal((rows, k)).astype(np.float32),
+            "offsets": rng.standard_normal((n, blocks)).astype(np.float32),
+            "block_sum_matrix": np.repeat(np.eye(blocks, dtype=np.float32), block_size, axis=0)}
+    sess = offsets_session(block_size, kernel_library if with_kernel else None)
+    want = feed["y"] + feed["x"].astype(np.float64).reshape(rows, blocks, block_size).sum(-1) @ feed["offsets"].T
+    for _ in range(2):
+        (got,) = sess.run(None, feed)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert (OFFSETS_OP_TYPE in ops_run(sess)) is with_kernel
+
+
+def test_add_block_offsets_rejects_mismatched_shapes(kernel_library):
+    sess = offsets_session(32, kernel_library)
+    feed = {"y": np.zeros((2, 8), np.float32), "x": np.zeros((2, 64), np.float32),
+            "offsets": np.zeros((8, 3), np.float32), "block_sum_matrix": np.zeros((64, 2), np.float32)}
+    with pytest.raises(Exception, match=r"AddBlockOffsets: y \[2, 8\], x \[2, 64\] and offsets \[8, 3\]"):
+        sess.run(None, feed)

@@ -6,7 +6,9 @@ ONNX Runtime custom operators in the ``trtllm_lite`` domain (``register.cc`` add
   (``builder/paged_attention.py``), read straight from the paged KV pool;
 * ``RotarySplitQKV`` and ``SiluAndMul`` (``elementwise.cc``): the fused QKV projection's output
   to rotated q, k and v, and the fused gate/up projection's output to ``silu(gate) * up``
-  (``builder/fused_ops.py``).
+  (``builder/fused_ops.py``);
+* ``AddBlockOffsets`` (``block_offsets.cc``): a block-quantized weight's float offsets (GGUF
+  Q4_1's block mins) added to MatMulNBits' output (``builder/fused_ops.py``).
 
 The engines' graphs carry every op as an ONNX function too; ONNX Runtime runs the kernel
 where the library is registered with the session and inlines the function otherwise, so a
@@ -22,6 +24,7 @@ stable C ABI (``OrtApi`` slots, ``OrtCustomOp``) that the kernel uses.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
@@ -32,7 +35,8 @@ import warnings
 from pathlib import Path
 
 LIBRARY_NAME = "libtrtllm_lite_ort_kernels.so"
-SOURCES = ("register.cc", "paged_decode_attention.cc", "elementwise.cc", "kernel_common.h", "ort_abi.h")
+SOURCES = ("register.cc", "paged_decode_attention.cc", "elementwise.cc", "block_offsets.cc", "kernel_common.h",
+           "ort_abi.h")
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
              "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-maybe-uninitialized")
 MIN_ORT_API_VERSION = 17        # KernelContext_ParallelFor (ONNX Runtime 1.17)
@@ -97,6 +101,7 @@ def build_library(out_dir: Path | None = None) -> Path:
         proc = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, *units], capture_output=True, text=True)
         if proc.returncode != 0:
             raise KernelBuildError(f"{cxx} failed on {', '.join(units)}:\n{proc.stderr[-4000:]}")
+        os.chmod(tmp, 0o755)     # mkstemp made it 0600: others sharing the cache must load it
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -104,10 +109,19 @@ def build_library(out_dir: Path | None = None) -> Path:
     return path
 
 
+def _loads(path: Path) -> bool:
+    """Whether ``path`` is a loadable library exporting ``RegisterCustomOps``."""
+    try:
+        return hasattr(ctypes.CDLL(str(path)), "RegisterCustomOps")
+    except OSError:
+        return False
+
+
 def library_path() -> str | None:
     """The kernels' library for ``SessionOptions.register_custom_ops_library``, built once per
-    process (cached on disk); ``None``, with one warning, when it cannot be built here (the
-    graphs then run the ops' ONNX function bodies)."""
+    process (cached on disk; a cached file that does not load, e.g. truncated, is rebuilt);
+    ``None``, with one warning, when it cannot be built here (the graphs then run the ops'
+    ONNX function bodies)."""
     with _lock:
         if "path" not in _result:
             import onnxruntime as ort
@@ -116,7 +130,13 @@ def library_path() -> str | None:
             try:
                 if (major, minor) < (1, MIN_ORT_API_VERSION):
                     raise KernelBuildError(f"onnxruntime {ort.__version__} < 1.{MIN_ORT_API_VERSION}")
-                _result["path"] = str(build_library())
+                path = build_library()
+                if not _loads(path):
+                    path.unlink()
+                    path = build_library()
+                    if not _loads(path):
+                        raise KernelBuildError(f"{path} was rebuilt but does not load")
+                _result["path"] = str(path)
             except (KernelBuildError, OSError) as e:
                 _result["path"] = None
                 warnings.warn(f"trtllm-lite's ONNX Runtime kernels are unavailable, running the ops' "

@@ -87,7 +87,8 @@ OrtStatus* RotaryKernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(new_output(context, 1, {T, kv_heads, st.head_dim}, &st.k));
   RETURN_IF_ERROR(new_output(context, 2, {T, kv_heads, st.head_dim}, &st.v));
   if (T == 0) return nullptr;
-  return parallel_for(context, rotate_rows, static_cast<size_t>((T + kRowsPerItem - 1) / kRowsPerItem), &st);
+  return parallel_for(context, rotate_rows, static_cast<size_t>((T + kRowsPerItem - 1) / kRowsPerItem), &st,
+                      T * qkv.dims[1] < kSerialWork);
 }
 
 OrtStatus* create_rotary(const OrtKernelInfo* info, void** kernel) {
@@ -147,7 +148,8 @@ OrtStatus* SiluKernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(data_of(x.value, &st.gate_up));
   RETURN_IF_ERROR(new_output(context, 0, {st.tokens, st.width}, &st.out));
   if (st.tokens == 0) return nullptr;
-  return parallel_for(context, silu_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem), &st);
+  return parallel_for(context, silu_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem), &st,
+                      st.tokens * st.width < kSerialWork);
 }
 
 OrtStatus* create_silu(const OrtKernelInfo*, void** kernel) {
