@@ -75,9 +75,10 @@ class OrtOptions:
         allow_spinning: intra-op worker threads spin between operators instead of sleeping
             (lower latency on idle cores; wasted cycles when the cores are shared).
         custom_kernels: register trtllm-lite's C++ kernels (:mod:`trtllm_lite.ort_kernels`,
-            compiled on first use) so the graphs' ``PagedDecodeAttention`` nodes run them
-            instead of their ONNX function bodies (same results within float32 rounding);
-            without a C++ compiler the bodies run, with a warning.
+            compiled on first use) so the graphs' ``PagedDecodeAttention``, ``RotarySplitQKV``,
+            ``SiluAndMul`` and ``AddBlockOffsets`` nodes run them instead of their ONNX
+            function bodies (same results within float32 rounding); without a C++ compiler
+            the bodies run, with a warning.
 
     Defaults can be set from the environment: ``TRTLLM_LITE_ORT_THREADS``,
     ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``, ``TRTLLM_LITE_ORT_MEM_ARENA`` (0/1),
