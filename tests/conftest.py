@@ -103,12 +103,15 @@ def tiny_model(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
-def kernel_library():
-    """Path of trtllm-lite's ONNX Runtime kernel library (built once; cached on disk), or a
-    skip with the compiler's reason where it does not build."""
+@pytest.fixture(scope="session", params=["native", "portable"])
+def kernel_library(request, tmp_path_factory):
+    """Path of trtllm-lite's ONNX Runtime kernel library, or a skip with the compiler's
+    reason where it does not build: as the runtime builds it (``-march=native``: AVX-512
+    here) and with AVX-512 off, so the portable loops other CPUs run are checked too."""
     from trtllm_lite.ort_kernels import KernelBuildError, build_library
     try:
-        return str(build_library())
+        if request.param == "native":
+            return str(build_library())
+        return str(build_library(tmp_path_factory.mktemp("portable_kernels"), ("-mno-avx512f",)))
     except KernelBuildError as e:
         pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")

@@ -79,8 +79,11 @@ def _build_key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
-def build_library(out_dir: Path | None = None) -> Path:
+def build_library(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the kernels (or reuse the cached build) and return the library's path.
+
+    ``extra_flags`` go after :data:`CXX_FLAGS` (with an explicit ``out_dir``: tests build the
+    portable loops with ``-mno-avx512f``).
 
     Raises:
         KernelBuildError: no C++ compiler, or it failed (its output in the message).
@@ -98,7 +101,7 @@ def build_library(out_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         units = [str(_HERE / name) for name in SOURCES if name.endswith(".cc")]
-        proc = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, *units], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *CXX_FLAGS, *extra_flags, "-o", tmp, *units], capture_output=True, text=True)
         if proc.returncode != 0:
             raise KernelBuildError(f"{cxx} failed on {', '.join(units)}:\n{proc.stderr[-4000:]}")
         os.chmod(tmp, 0o755)     # mkstemp made it 0600: others sharing the cache must load it
