@@ -164,13 +164,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
 }
 
 OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
-  auto* k = new Kernel();
-  if (OrtStatus* s = int_attribute(info, "block_size", &k->block_size)) {
-    delete k;
-    return s;
-  }
-  *kernel = k;
-  return nullptr;
+  return new_kernel<Kernel>(kernel, [info](Kernel& k) { return int_attribute(info, "block_size", &k.block_size); });
 }
 
 }  // namespace

@@ -92,15 +92,10 @@ OrtStatus* RotaryKernel::compute(OrtKernelContext* context) {
 }
 
 OrtStatus* create_rotary(const OrtKernelInfo* info, void** kernel) {
-  auto* k = new RotaryKernel();
-  OrtStatus* s = int_attribute(info, "num_heads", &k->heads);
-  if (!s) s = int_attribute(info, "num_kv_heads", &k->kv_heads);
-  if (s) {
-    delete k;
-    return s;
-  }
-  *kernel = k;
-  return nullptr;
+  return new_kernel<RotaryKernel>(kernel, [info](RotaryKernel& k) {
+    RETURN_IF_ERROR(int_attribute(info, "num_heads", &k.heads));
+    return int_attribute(info, "num_kv_heads", &k.kv_heads);
+  });
 }
 
 // ---- SiluAndMul ----------------------------------------------------------------------------
@@ -153,8 +148,7 @@ OrtStatus* SiluKernel::compute(OrtKernelContext* context) {
 }
 
 OrtStatus* create_silu(const OrtKernelInfo*, void** kernel) {
-  *kernel = new SiluKernel();
-  return nullptr;
+  return new_kernel<SiluKernel>(kernel, [](SiluKernel&) { return static_cast<OrtStatus*>(nullptr); });
 }
 
 }  // namespace

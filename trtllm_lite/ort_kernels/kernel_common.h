@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -133,6 +134,15 @@ struct CustomOp : OrtCustomOp {
   explicit CustomOp(const OpSpec& spec);
   const OpSpec spec;
 };
+
+// A new kernel of type K for OpSpec::create, its attributes read by read(K&) -> OrtStatus*.
+template <typename K, typename Read>
+OrtStatus* new_kernel(void** kernel, Read read) {
+  std::unique_ptr<K> k(new K());
+  RETURN_IF_ERROR(read(*k));
+  *kernel = k.release();
+  return nullptr;
+}
 
 inline OrtStatus* float_attribute(const OrtKernelInfo* info, const char* name, float* out) {
   return slot<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(g_api, kKernelInfoGetAttributeFloat)(

@@ -285,13 +285,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
 }
 
 OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
-  auto* k = new Kernel();
-  if (OrtStatus* s = float_attribute(info, "scale", &k->scale)) {
-    delete k;
-    return s;
-  }
-  *kernel = k;
-  return nullptr;
+  return new_kernel<Kernel>(kernel, [info](Kernel& k) { return float_attribute(info, "scale", &k.scale); });
 }
 
 }  // namespace
