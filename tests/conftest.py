@@ -103,15 +103,27 @@ def tiny_model(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session", params=["native", "portable"])
-def kernel_library(request, tmp_path_factory):
-    """Path of trtllm-lite's ONNX Runtime kernel library, or a skip with the compiler's
-    reason where it does not build: as the runtime builds it (``-march=native``: AVX-512
-    here) and with AVX-512 off, so the portable loops other CPUs run are checked too."""
+def build_kernel_library(variant: str, tmp_path_factory) -> str:
+    """trtllm-lite's ONNX Runtime kernel library as the runtime builds it (``native``:
+    ``-march=native``, AVX-512 here) or with AVX-512 off (``portable``: the loops other CPUs
+    run); a skip with the compiler's reason where it does not build."""
     from trtllm_lite.ort_kernels import KernelBuildError, build_library
     try:
-        if request.param == "native":
+        if variant == "native":
             return str(build_library())
         return str(build_library(tmp_path_factory.mktemp("portable_kernels"), ("-mno-avx512f",)))
     except KernelBuildError as e:
         pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
+
+
+@pytest.fixture(scope="session", params=["native", "portable"])
+def kernel_library(request, tmp_path_factory):
+    """Path of the kernel library, both builds (:func:`build_kernel_library`)."""
+    return build_kernel_library(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="session", params=["function-body", "native", "portable"])
+def op_library(request, tmp_path_factory):
+    """``None`` (ONNX Runtime inlines the ops' ONNX function bodies; needs no compiler), or
+    the kernel library's path, both builds."""
+    return None if request.param == "function-body" else build_kernel_library(request.param, tmp_path_factory)
