@@ -29,13 +29,12 @@ import onnx
 from onnx import TensorProto, helper
 
 from .model_config import ModelConfig
-from .onnx_graph import OPSET, NodeWriter, WeightStore
+from .onnx_graph import MS_DOMAIN, OPSET, NodeWriter, WeightStore
 from .fused_ops import (OFFSETS_OP_TYPE, ROTARY_OP_TYPE, SILU_OP_TYPE, make_offsets_function, make_rotary_function,
                         make_silu_function)
 from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function, make_onnx_functions, write_attention_metadata
 from .quantize import QuantizedLinear
 
-MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops (MatMulNBits)
 
 GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
                 "query_start_loc")

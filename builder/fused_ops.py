@@ -26,12 +26,12 @@ offsets (GGUF Q4_1's block mins, :mod:`builder.quantize`) added to MatMulNBits' 
 """
 from __future__ import annotations
 
+from .onnx_graph import MS_DOMAIN
 from .paged_attention import DOMAIN
 
 ROTARY_OP_TYPE = "RotarySplitQKV"
 SILU_OP_TYPE = "SiluAndMul"
 OFFSETS_OP_TYPE = "AddBlockOffsets"
-MS_DOMAIN = "com.microsoft"
 
 
 def make_rotary_function(num_heads: int, num_kv_heads: int, head_dim: int, opset: int | None = None):

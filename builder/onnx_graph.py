@@ -8,6 +8,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 20  # default-domain opset of every graph and of the PagedAttention function
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime contrib ops (MatMulNBits, RotaryEmbedding, GroupQueryAttention)
 
 _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
                np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,

@@ -392,6 +392,8 @@ def _write_one_sequence_attention(w, q, k, v, kc, vc, ctx, ctx_block_ids: str, h
     """
     from onnx import AttributeProto, TensorProto
 
+    from .onnx_graph import MS_DOMAIN
+
     num_heads, num_kv_heads, head_dim = heads
     i64 = lambda v: w.const(v)  # noqa: E731
     num_seqs, num_tokens = w.op("Shape", ctx), w.op("Shape", q, start=0, end=1)
@@ -410,7 +412,7 @@ def _write_one_sequence_attention(w, q, k, v, kc, vc, ctx, ctx_block_ids: str, h
 
     out = w.op("GroupQueryAttention", rows(q, num_heads * head_dim), rows(k, num_kv_heads * head_dim),
                rows(v, num_kv_heads * head_dim), past(kc), past(vc), seqlens_k, total,
-               domain="com.microsoft", outputs=3, num_heads=num_heads, kv_num_heads=num_kv_heads)[0]
+               domain=MS_DOMAIN, outputs=3, num_heads=num_heads, kv_num_heads=num_kv_heads)[0]
     w.nodes[-1].attribute.append(AttributeProto(name="scale", ref_attr_name="scale", type=AttributeProto.FLOAT))
     w.op("Reshape", out, i64([-1, num_heads, head_dim]), outputs=[output])
 
@@ -509,7 +511,7 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
     """
     from onnx import AttributeProto, helper
 
-    from .onnx_graph import OPSET, NodeWriter
+    from .onnx_graph import MS_DOMAIN, OPSET, NodeWriter
 
     w = NodeWriter("pa_")
     q, k, v, kc, vc, _slots, bt, ctx, qsl = INPUT_NAMES
@@ -552,6 +554,6 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
              else_branch=_branch(prefill, "prefill", prefill_out))
     opsets = [helper.make_opsetid("", opset or OPSET)]
     if heads is not None and decode_path:
-        opsets += [helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(DOMAIN, OP_VERSION)]
+        opsets += [helper.make_opsetid(MS_DOMAIN, 1), helper.make_opsetid(DOMAIN, OP_VERSION)]
     return helper.make_function(DOMAIN, OP_TYPE, inputs, ["output"], w.nodes, opsets,
                                 attributes=["num_heads", "num_kv_heads", "scale"])

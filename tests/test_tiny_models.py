@@ -97,3 +97,30 @@ def test_group_by_query_length_partitions_and_bounds_padding():
     assert len(group_by_query_length(prompts)) == 2
     verify = [seq(100, 5)] + [seq(100, 1)] * 3
     assert len(group_by_query_length(verify)) == 1
+
+
+def test_arena_shrinks_only_after_calls_with_large_attention_scores(tiny_model):
+    """OrtOptions.arena_shrinkage: a decode or short prompt keeps the arena's chunks for the
+    next step; a call whose padded scores may pass ARENA_SHRINK_SCORE_BYTES gives them back;
+    with the option off, no call does."""
+    from trtllm_lite.runners.base import build_step_inputs
+    from trtllm_lite.runners.onnxruntime_runner import ARENA_SHRINK_SCORE_BYTES
+
+    _, engine_dir = tiny_model("llama-gqa")
+    engine = load_engine_dir(engine_dir, verify_checksums=False)
+    runner = OnnxRuntimeRunner(engine, 64, options=OrtOptions(arena_shrinkage=True))
+    bs, heads = runner.block_size, runner.num_heads
+
+    def inputs(prompt_len, num_seqs=1):
+        blocks = -(-prompt_len // bs)
+        return build_step_inputs([ScheduledSeq([1] * prompt_len, list(range(blocks)), 0, prompt_len)
+                                  for _ in range(num_seqs)], bs)
+
+    small = inputs(8, 4)
+    # the smallest prompt whose padded scores heads x Q x (blocks * B + Q) x 4 bytes pass the limit
+    big_len = next(n for n in range(bs, 1 << 16, bs) if 4 * heads * n * (2 * n) > ARENA_SHRINK_SCORE_BYTES)
+    assert runner._run_options_for(small) is runner._run_options
+    assert runner._run_options_for(inputs(big_len - bs)) is runner._run_options
+    assert runner._run_options_for(inputs(big_len)) is runner._shrink_options
+    off = OnnxRuntimeRunner(engine, 64, options=OrtOptions(arena_shrinkage=False))
+    assert off._run_options_for(inputs(big_len)) is off._run_options

@@ -62,7 +62,7 @@ class OrtOptions:
             otherwise stay held for the process's life; measured on SmolLM2 fp32 serving:
             peak RSS 2.9 GB instead of 3.7 GB with a 2 GiB KV pool. Shrinking after every run
             instead made the next run page its buffers in again: a 1,024-token prompt step
-            ~14% slower (~5% of the prompt phase of 64 random-length requests).
+            ~16% slower (~5% of the prompt phase of 64 random-length requests).
         enable_prepacking: let kernels repack constant weights at load (default on). Then
             ONNX Runtime reads ``weights.bin`` itself, keeps the packed weights (and the
             originals only where an unpacked reader needs them, e.g. the embedding Gather)
