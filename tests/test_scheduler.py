@@ -136,3 +136,12 @@ def test_block_pool_refuses_double_free_and_touching_unallocated_blocks():
     with pytest.raises(RuntimeError, match="never allocated"):
         pool.touch([3])
     pool.check()
+    b = pool.allocate(2)                      # a list with good blocks before the bad one
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free([b[0], b[1], b[1]])
+    assert list(pool.ref_counts[b]) == [1, 1] and pool.num_free == 2
+    with pytest.raises(RuntimeError, match="never allocated"):
+        pool.touch([b[0], 3])
+    assert list(pool.ref_counts[b]) == [1, 1]
+    pool.free(b)
+    pool.check()

@@ -13,7 +13,7 @@ fp32 with a 2 GiB pool then peaked ~0.5 GB higher after a few workloads).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 
@@ -75,14 +75,15 @@ class BlockPool:
 
     def touch(self, blocks: list[int]) -> None:
         """Take one more reference to each block (a prefix-cache hit or a fork)."""
+        for b in blocks:                    # check all first: misuse changes nothing
+            if self.ref_counts[b] == 0 and b not in self._free_cached and b not in self._free_plain:
+                raise RuntimeError(f"KV block {b} was never allocated")
         for b in blocks:
             if self.ref_counts[b] == 0:     # a free block in use again (cached, or freed plain)
                 if b in self._free_cached:
                     del self._free_cached[b]
-                elif b in self._free_plain:
-                    del self._free_plain[b]
                 else:
-                    raise RuntimeError(f"KV block {b} was never allocated")
+                    del self._free_plain[b]
             self.ref_counts[b] += 1
 
     def free(self, blocks: list[int]) -> None:
@@ -92,9 +93,10 @@ class BlockPool:
         Blocks are released last-first, so a sequence's tail blocks are evicted before its
         head (other requests are likelier to share a prefix than a tail).
         """
-        for b in reversed(blocks):
-            if self.ref_counts[b] <= 0:
+        for b, n in Counter(blocks).items():     # check all first: misuse changes nothing
+            if self.ref_counts[b] < n:
                 raise RuntimeError(f"KV block {b} freed more often than allocated")
+        for b in reversed(blocks):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 (self._free_plain if self.block_hashes[b] is None else self._free_cached)[b] = None
