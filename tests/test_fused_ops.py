@@ -140,7 +140,8 @@ def offsets_session(block_size, library=None):
 
 @pytest.mark.parametrize("rows,n,blocks,block_size", [(1, 960, 18, 32), (5, 3072, 18, 32), (70, 37, 3, 32),
                                                       (2, 576, 48, 32), (9, 100, 4, 16)])
-def test_add_block_offsets_matches_reference(op_library, rows, n, blocks, block_size):
+@pytest.mark.parametrize("offsets_kind", ["float32", "float16-exact"])
+def test_add_block_offsets_matches_reference(op_library, rows, n, blocks, block_size, offsets_kind):
     """y + blocksum(x) @ offsets^T (Q4_1's block mins) against numpy, register tiles with
     partial row and column tiles included; the same node runs twice (the kernel transposes
     the constant offsets once)."""
@@ -153,6 +154,8 @@ def test_add_block_offsets_matches_reference(op_library, rows, n, blocks, block_
             "offsets": rng.standard_normal((n, blocks)).astype(np.float32),
             "block_sum_matrix": np.repeat(np.eye(blocks, dtype=np.float32), block_size, axis=0)}
     with_kernel = op_library is not None
+    if offsets_kind == "float16-exact":     # as GGUF's Q4_1 mins are: the kernel streams them as float16
+        feed["offsets"] = feed["offsets"].astype(np.float16).astype(np.float32)
     sess = offsets_session(block_size, op_library)
     want = feed["y"] + feed["x"].astype(np.float64).reshape(rows, blocks, block_size).sum(-1) @ feed["offsets"].T
     for _ in range(2):
