@@ -70,6 +70,7 @@ def rotary_inputs(rng, tokens, heads, kv_heads, head_dim, max_pos=64):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [
     (9, 3, 64, 1), (9, 3, 64, 37), (4, 4, 16, 5), (8, 1, 128, 20), (4, 2, 12, 9),
+    (9, 3, 64, 301),    # enough work to go to the thread pool (kSerialWork), with a partial item
 ])
 def test_rotary_split_qkv_matches_reference(op_library, heads, kv_heads, head_dim, tokens):
     """The kernel (both builds) and the function body against the float64 reference, and
@@ -103,7 +104,7 @@ def silu_session(library=None):
                             [helper.make_tensor_value_info("out", f32, None)], make_silu_function(), library)
 
 
-@pytest.mark.parametrize("tokens,width", [(1, 1536), (33, 1536), (3, 40), (2, 7)])
+@pytest.mark.parametrize("tokens,width", [(1, 1536), (33, 1536), (3, 40), (2, 7), (203, 1536)])
 def test_silu_and_mul_matches_reference(op_library, tokens, width):
     """Including inputs far out in both tails (silu(-100) = -0, silu(100) = 100) and widths
     that are not a multiple of the vector width. (The function body runs ONNX Runtime's
