@@ -21,6 +21,7 @@ OUT="${OUT:-$ROOT/device_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the repo is not pip-installed there
 export TL_CUDA_ARCHS="${TL_CUDA_ARCHS:-90}"
 status=0
 t0=$SECONDS
@@ -38,14 +39,14 @@ grep -E "Used [0-9]+ registers|spill stores" "$OUT/build.log" | grep -v " 0 byte
 echo "build done at $((SECONDS - t0)) s"
 
 echo "== correctness vs float64 reference"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -rs \
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -rs \
   -k "not emulation and not compile" 2>&1 \
   | tee "$OUT/pytest.log" | tail -25
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 echo "tests done at $((SECONDS - t0)) s"
 
 echo "== timing"
-timeout 160 "$PY" tools/bench_cuda_attention.py --out "$OUT/device_check.md" 2>&1 \
+timeout 200 "$PY" tools/bench_cuda_attention.py --out "$OUT/device_check.md" 2>&1 \
   | tee "$OUT/bench.log" | grep -v "^|" | tail -40
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 echo "timing done at $((SECONDS - t0)) s"
