@@ -171,10 +171,25 @@ DTYPES = ["float16", "bfloat16"]
 HEADS = [(9, 3, 64, 16), (32, 8, 128, 64), (8, 8, 128, 16), (16, 1, 64, 32), (4, 4, 64, 64)]
 
 
+def use_decode_kernel(name):
+    """"pipelined", "registers", "mma" (its default prefetch choice), "mma+prefetch" or
+    "mma+direct" (prefetch forced on / off)."""
+    kernel, _, option = name.partition("+")
+    tlcuda.set_decode_kernel(kernel)
+    tlcuda.set_decode_mma_prefetch({"prefetch": 1, "direct": 0}.get(option, -1))
+
+
+def restore_decode_defaults():
+    tlcuda.set_decode_policy()
+    tlcuda.set_decode_kernel()
+    tlcuda.set_decode_mma_prefetch()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "h{}kv{}d{}b{}".format(*h))
 @pytest.mark.parametrize("split", ["split", "nosplit"])
-@pytest.mark.parametrize("kernel", ["pipelined", "registers"])
+@pytest.mark.parametrize("kernel", ["mma", "mma+prefetch", "mma+direct", "pipelined",
+                                    "registers"])
 def test_decode_matches_reference(backend, kernel, dtype, heads, split):
     rng = np.random.default_rng()
     num_heads, num_kv_heads, head_dim, block_size = heads
@@ -183,7 +198,7 @@ def test_decode_matches_reference(backend, kernel, dtype, heads, split):
     step = random_step(rng, context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
                        head_dim, block_size)
     tlcuda.set_decode_policy(min_chunk=1 << 24 if split == "nosplit" else 0)
-    tlcuda.set_decode_kernel(kernel)
+    use_decode_kernel(kernel)
     try:
         max_len = max(context_lens) + 1
         splits = tlcuda.decode_num_splits(len(context_lens), num_heads, num_kv_heads, head_dim,
@@ -191,8 +206,7 @@ def test_decode_matches_reference(backend, kernel, dtype, heads, split):
         assert (splits == 1) == (split == "nosplit")
         check_against_reference(step, dtype, "decode")
     finally:
-        tlcuda.set_decode_policy()
-        tlcuda.set_decode_kernel("pipelined")
+        restore_decode_defaults()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -230,16 +244,22 @@ def test_op_dispatch_decode_batch(backend, dtype):
     check_against_reference(step, dtype, "auto")
 
 
-@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("mode", ["decode-mma+prefetch", "decode-mma+direct", "decode-pipelined",
+                                  "decode-registers", "prefill"])
 def test_understated_bounds_stay_correct(backend, mode):
     """max_seq_len / max_query_len only size the grids: too small must not drop positions."""
     rng = np.random.default_rng()
+    mode, _, kernel = mode.partition("-")
     n = 1 if mode == "decode" else 90
     context_lens = [int(c) for c in rng.integers(300, backend.max_context, size=3)]
     step = random_step(rng, context_lens, [n] * 3, 8, 2, 64, 16)
-    # decode: 3 splits of 256 planned for positions < 600, the last one must take the rest
-    check_against_reference(step, "float16", mode, max_query_len=n if n == 1 else 10,
-                            max_seq_len=600)
+    use_decode_kernel(kernel or "mma")
+    try:
+        # decode: 3 splits of 256 planned for positions < 600, the last one must take the rest
+        check_against_reference(step, "float16", mode, max_query_len=n if n == 1 else 10,
+                                max_seq_len=600)
+    finally:
+        restore_decode_defaults()
 
 
 def test_kv_write_skips_negative_slots_and_leaves_the_rest(backend):

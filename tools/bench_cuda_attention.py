@@ -6,9 +6,11 @@ Run on a GPU machine (PyTorch is used only here, to allocate, time and provide t
 
 Decode: for each head config, context (1k..32k) and batch (1..64), one query token per sequence
 reads B * (ctx + 1) * kv_heads * head_dim * 2 (K and V) * 2 bytes of K/V. "Achieved bandwidth"
-is those bytes over the kernel time. The peer is ``torch.nn.functional.scaled_dot_product_attention``
-on a contiguous cache [B, kv_heads, ctx + 1, head_dim] holding the same values (``enable_gqa``).
-The bound is the measured device-to-device copy bandwidth (bytes read + written per second).
+is those bytes over the kernel time, for every decode kernel variant (VARIANTS). The peer is
+``torch.nn.functional.scaled_dot_product_attention`` on a contiguous cache
+[B, kv_heads, ctx + 1, head_dim] holding the same values (``enable_gqa``). The bound is the
+measured device copy bandwidth (bytes read + written per second; the faster of a memcpy and an
+elementwise copy kernel); a sum reduction's read bandwidth is printed beside it.
 Timing: CUDA graphs of R launches (R rotating input sets, so small problems are not served from
 L2), replayed several times; the median replay over R.
 
@@ -35,9 +37,20 @@ HEAD_CONFIGS = {  # name: (num_heads, num_kv_heads, head_dim)
     "Llama-8B-like": (32, 8, 128),
     "SmolLM2-like": (9, 3, 64),
 }
+# Diagnostic rows: one KV head (its 256-byte rows are contiguous across a block's slots), to
+# tell the paged layout's strided rows apart from the kernels' own limits.
+DIAGNOSTIC_CASES = [("1-KV-head", (8, 1, 128), batch, 32768) for batch in (16, 64)]
 CONTEXTS = [1024, 4096, 16384, 32768]
 BATCHES = [1, 4, 16, 64]
 ROTATE_BYTES = 256 << 20  # each timed graph touches at least this much K/V
+# Decode kernel variants timed: name -> (tl kernel, mma prefetch 1 / 0, or -1 = the default).
+# The default is "mma" with prefetch on for head_dim 128 and off for 64.
+VARIANTS = {
+    "mma+prefetch": ("mma", 1),
+    "mma+direct": ("mma", 0),
+    "pipelined": ("pipelined", -1),
+    "registers": ("registers", -1),
+}
 
 
 @dataclass
@@ -47,8 +60,7 @@ class Row:
     batch: int
     context: int
     kv_bytes: int
-    ours_us: float      # default decode kernel (pipelined)
-    regs_us: float      # register-load decode kernel
+    times_us: dict      # decode kernel variant (VARIANTS) -> µs
     sdpa_us: float
     rel_err: float
     splits: int
@@ -81,16 +93,26 @@ def median_replay_ms(launches, reps: int, device: str) -> float:
     return statistics.median(times) / len(launches)
 
 
-def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second."""
+def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> tuple[float, float]:
+    """(copy, read) bandwidth in bytes/s: the best of a device-to-device copy and an elementwise
+    kernel copy (bytes read + written), and a sum reduction (bytes read).
+
+    A copy captured in a CUDA graph becomes a memcpy node, which may run on a copy engine well
+    below what kernels reach, so the kernel copy is measured too and the faster one is the bound.
+    """
     if device == "cpu":
         nbytes = 64 << 20
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    a.random_()
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    a.uniform_()
     b = torch.empty_like(a)
-    ms = median_replay_ms([lambda: b.copy_(a)], reps=20, device=device)
+    copies = [median_replay_ms([lambda: b.copy_(a)], reps=20, device=device),
+              median_replay_ms([lambda: torch.mul(a, 1.0, out=b)], reps=20, device=device)]
+    read_ms = median_replay_ms([lambda: a.sum()], reps=20, device=device)
+    print(f"copy (memcpy) {2 * nbytes / copies[0] / 1e9:.3f} TB/s, copy (kernel) "
+          f"{2 * nbytes / copies[1] / 1e9:.3f} TB/s, read (sum) {nbytes / read_ms / 1e9:.3f} TB/s",
+          flush=True)
     del a, b
-    return 2 * nbytes / (ms * 1e-3)
+    return 2 * nbytes / (min(copies) * 1e-3), nbytes / (read_ms * 1e-3)
 
 
 class PagedCase:
@@ -144,10 +166,13 @@ def current_stream(device: str) -> int:
     return torch.cuda.current_stream().cuda_stream if device != "cpu" else 0
 
 
-def set_kernel(device: str, kernel: str) -> None:
+def set_kernel(device: str, variant: str) -> None:
+    """Select a VARIANTS entry (or a plain kernel name with default options)."""
     if uses_kernels(device):
         from trtllm_lite import cuda as tlcuda
+        kernel, prefetch = VARIANTS.get(variant, (variant, -1))
         tlcuda.set_decode_kernel(kernel)
+        tlcuda.set_decode_mma_prefetch(prefetch)
 
 
 def make_ours(case: PagedCase, dtype_name: str, device: str, workspace):
@@ -182,28 +207,32 @@ def bench_decode(model, heads, batch, context, args, dtype) -> Row:
     splits, ws_bytes = 1, 16
     if uses_kernels(args.device):
         from trtllm_lite import cuda as tlcuda
-        splits = tlcuda.decode_num_splits(batch, nh, nkv, d, case.seq_len)
-        ws_bytes = max(16, tlcuda.decode_workspace_size(batch, nh, nkv, d, case.seq_len))
+        for variant in VARIANTS:
+            set_kernel(args.device, variant)
+            ws_bytes = max(ws_bytes, tlcuda.decode_workspace_size(batch, nh, nkv, d, case.seq_len))
+        set_kernel(args.device, "mma")
+        splits = tlcuda.decode_num_splits(batch, nh, nkv, d, case.seq_len)  # the default's
     workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=args.device)
     ours = make_ours(case, args.dtype, args.device, workspace)
-    # Correctness against the peer on rotation 0, both kernels (worst error reported).
+    # Correctness against the peer on rotation 0, every variant (worst error reported).
     k0, v0 = case.contiguous_kv(0)
     ref = sdpa(case.query[0], k0, v0, d ** -0.5).float()
     rel_err = 0.0
-    for kernel in ("registers", "pipelined"):
-        set_kernel(args.device, kernel)
+    for variant in VARIANTS:
+        set_kernel(args.device, variant)
         case.out.fill_(float("nan"))
         ours[0]()
         rel_err = max(rel_err, ((case.out.float() - ref).norm() / ref.norm()).item())
     peer_kv = [(k0, v0)] + [case.contiguous_kv(r) for r in range(1, rotations)]
     peer = [lambda r=r: sdpa(case.query[r], *peer_kv[r], d ** -0.5) for r in range(rotations)]
-    set_kernel(args.device, "registers")
-    regs_ms = median_replay_ms(ours, args.reps, args.device)
-    set_kernel(args.device, "pipelined")
-    ours_ms = median_replay_ms(ours, args.reps, args.device)
+    times = {}
+    for variant in VARIANTS:
+        set_kernel(args.device, variant)
+        times[variant] = median_replay_ms(ours, args.reps, args.device) * 1e3
+    set_kernel(args.device, "mma")
     sdpa_ms = median_replay_ms(peer, args.reps, args.device)
-    row = Row(model, heads, batch, context, case.kv_bytes(), ours_ms * 1e3, regs_ms * 1e3,
-              sdpa_ms * 1e3, rel_err, splits)
+    row = Row(model, heads, batch, context, case.kv_bytes(), times, sdpa_ms * 1e3, rel_err,
+              splits)
     del case, peer_kv, peer, ours, workspace
     return row
 
@@ -218,8 +247,8 @@ def policy_sweep(args, dtype):
         nh, nkv, d = heads
         case = PagedCase(heads, args.sweep_batch or batch, args.sweep_context, args.block_size,
                          dtype, args.device, 1)
-        for kernel in ("pipelined", "registers"):
-            tlcuda.set_decode_kernel(kernel)
+        for kernel in ("mma+prefetch", "mma+direct", "pipelined"):
+            set_kernel(args.device, kernel)
             # ctas/SM: resident blocks the plan assumes (0 = the kernel's occupancy, default)
             for min_chunk, ctas in ((256, 0), (256, 1), (256, 2), (256, 3), (256, 8),
                                     (512, 0), (1024, 0)):
@@ -234,7 +263,7 @@ def policy_sweep(args, dtype):
                              f"| {ms * 1e3:.1f} | {case.kv_bytes() / ms / 1e9:.2f} |")
         del case
     tlcuda.set_decode_policy(0, 0)
-    tlcuda.set_decode_kernel("pipelined")
+    set_kernel(args.device, "mma")
     return lines
 
 
@@ -282,25 +311,32 @@ def bench_prefill(args, dtype):
     return lines
 
 
-def render(rows, copy_bw, args, extra):
+def render(rows, copy_bw, read_bw, args, extra):
     gpu = torch.cuda.get_device_name() if args.device != "cpu" else "CPU (dry run)"
     bound = copy_bw / 1e12
+    names = list(VARIANTS)
     out = [f"GPU: {gpu}; torch {torch.__version__}; dtype {args.dtype}; block_size "
-           f"{args.block_size}; measured device copy bandwidth (read + write): {bound:.2f} TB/s.",
+           f"{args.block_size}; measured device copy bandwidth (read + write): {bound:.2f} TB/s; "
+           f"read bandwidth (sum): {read_bw / 1e12:.2f} TB/s.",
            "",
-           "ours = the default (pipelined) decode kernel; regs = the register-load variant; "
-           "speed-up = SDPA time / ours.",
+           "Decode kernel variants (µs): mma = tensor cores with (+prefetch) and without "
+           "(+direct) loading the next 16 positions while computing; pipelined and registers = "
+           "CUDA cores. The default is mma, +prefetch at head_dim 128 and +direct at 64; "
+           "best = the fastest; speed-up = SDPA time / best; splits = the default's.",
            "",
-           "| model (q/kv/d) | batch | context | K/V MiB | splits | ours µs | ours TB/s | "
-           "% of copy bw | regs µs | SDPA µs | SDPA TB/s | speed-up vs SDPA | rel err vs SDPA |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| model (q/kv/d) | batch | context | K/V MiB | splits | " + " | ".join(names) +
+           " | best TB/s | % of copy bw | SDPA µs | SDPA TB/s | speed-up vs SDPA | "
+           "rel err vs SDPA |",
+           "|" + "---|" * (len(names) + 11)]
     for r in rows:
-        ours_bw = r.kv_bytes / (r.ours_us * 1e-6) / 1e12
+        best = min(r.times_us.values())
+        best_bw = r.kv_bytes / (best * 1e-6) / 1e12
         sdpa_bw = r.kv_bytes / (r.sdpa_us * 1e-6) / 1e12
+        cells = " | ".join(f"{r.times_us[n]:.1f}" for n in names)
         out.append(f"| {r.model} ({'/'.join(map(str, r.heads))}) | {r.batch} | {r.context} | "
-                   f"{r.kv_bytes / 2**20:.1f} | {r.splits} | {r.ours_us:.1f} | {ours_bw:.2f} | "
-                   f"{100 * ours_bw / bound:.0f}% | {r.regs_us:.1f} | {r.sdpa_us:.1f} | "
-                   f"{sdpa_bw:.2f} | {r.sdpa_us / r.ours_us:.2f}x | {r.rel_err:.1e} |")
+                   f"{r.kv_bytes / 2**20:.1f} | {r.splits} | {cells} | {best_bw:.2f} | "
+                   f"{100 * best_bw / bound:.0f}% | {r.sdpa_us:.1f} | {sdpa_bw:.2f} | "
+                   f"{r.sdpa_us / best:.2f}x | {r.rel_err:.1e} |")
     return "\n".join(out + [""] + extra) + "\n"
 
 
@@ -334,23 +370,28 @@ def main(argv=None):
     elif args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_cuda_attention: no CUDA device (use --dry-run to test the plumbing)")
     dtype = getattr(torch, args.dtype)
-    copy_bw = copy_bandwidth(args.device)
-    print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s", flush=True)
+    copy_bw, read_bw = copy_bandwidth(args.device)
     rows = []
     for model, heads in HEAD_CONFIGS.items():
         for context in args.contexts:
             for batch in args.batches:
                 row = bench_decode(model, heads, batch, context, args, dtype)
                 rows.append(row)
-                print(f"{model} b{batch} ctx{context}: ours {row.ours_us:.1f} µs "
-                      f"({row.kv_bytes / row.ours_us / 1e6:.2f} TB/s), regs {row.regs_us:.1f} µs, "
-                      f"sdpa {row.sdpa_us:.1f} µs, err {row.rel_err:.1e}", flush=True)
+                times = ", ".join(f"{n} {us:.1f}" for n, us in row.times_us.items())
+                print(f"{model} b{batch} ctx{context}: {times} µs; sdpa {row.sdpa_us:.1f} µs, "
+                      f"err {row.rel_err:.1e}", flush=True)
+    if args.device != "cpu":
+        for model, heads, batch, context in DIAGNOSTIC_CASES:
+            rows.append(bench_decode(model, heads, batch, context, args, dtype))
+            print(f"{model} b{batch} ctx{context}: " + ", ".join(
+                f"{n} {us:.1f}" for n, us in rows[-1].times_us.items())
+                + f" µs; sdpa {rows[-1].sdpa_us:.1f} µs", flush=True)
     extra = []
     if not args.no_sweep:
         extra += ["Decode split policy sweep (Llama-8B-like, context 32k):", ""]
         extra += policy_sweep(args, dtype) + [""]
         extra += [f"Prefill (Llama-8B-like heads, {args.dtype}):", ""] + bench_prefill(args, dtype)
-    text = render(rows, copy_bw, args, extra)
+    text = render(rows, copy_bw, read_bw, args, extra)
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -99,10 +99,15 @@ int tl_paged_attention(int dtype, const void* query, const void* key, const void
  * assuming ctas_per_sm resident blocks per SM (default: the kernel's measured occupancy).
  * Values <= 0 restore the defaults. */
 void tl_set_decode_policy(int min_chunk, int ctas_per_sm);
-/* Decode split kernel: how K/V reach the registers (same math and results). */
-enum { TL_DECODE_PIPELINED = 0, /* cp.async into a 3-stage shared-memory ring (default) */
-       TL_DECODE_REGISTERS = 1  /* 16-byte read-once loads straight into registers */ };
+/* Decode split kernel (same results within rounding; for tuning and benchmarks). */
+enum { TL_DECODE_PIPELINED = 0, /* CUDA cores, cp.async into a 3-stage shared-memory ring */
+       TL_DECODE_REGISTERS = 1, /* CUDA cores, 16-byte read-once loads straight into registers */
+       TL_DECODE_MMA = 2        /* tensor cores (mma.m16n8k16), fragments loaded from the pool
+                                   (default) */ };
 int tl_set_decode_kernel(int kernel);
+/* TL_DECODE_MMA: 1 = load a warp's next 16 positions while computing these, 0 = don't;
+ * < 0 restores the default (on for head_dim 128, off for 64). */
+void tl_set_decode_mma_prefetch(int prefetch);
 /* Number of context splits the decode would use for these sizes (1 = no merge pass). */
 int tl_decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                          int max_seq_len);

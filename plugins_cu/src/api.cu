@@ -94,6 +94,8 @@ void tl_set_decode_policy(int min_chunk, int ctas_per_sm) {
 
 int tl_set_decode_kernel(int kernel) { return tl::set_decode_kernel(kernel); }
 
+void tl_set_decode_mma_prefetch(int prefetch) { tl::set_decode_mma_prefetch(prefetch); }
+
 int tl_paged_attention_decode(int dtype, const void* query, const void* key_cache,
                               const void* value_cache, void* out, const int64_t* block_tables,
                               const int64_t* context_lens, int num_seqs, int num_heads,

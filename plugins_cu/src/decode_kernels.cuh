@@ -7,19 +7,22 @@
 //   block_tables [num_seqs, max_blocks_per_seq]
 //
 // Pass 1, a split kernel: grid (num_splits, num_kv_heads * head_chunks, num_seqs), 128 threads.
-// A thread block owns `chunk` consecutive positions of one sequence and the GM query heads of one
-// KV group, so each K/V row is read from memory once for all heads of the group. D/8 lanes share
-// one token row: each lane takes 16 bytes (8 elements) of K and of V, holds the matching 8 query
-// elements of every head in registers, and the dot products are finished with a butterfly of
-// warp shuffles. Each thread keeps an online softmax (running max m, sum l, fp32 accumulator)
-// per head [Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022]; the U tokens a thread
-// takes at a time share one rescale. The block then merges its lanes and warps and writes the
-// final output (one split) or a normalized partial (o, m, l) for the split.
-// Two ways to bring K/V in (same math, see DecodeState):
-//   decode_split_pipelined_kernel (default): cp.async copies tiles of K/V into a 3-stage shared
-//     memory ring, so the next two tiles are in flight while one is computed;
-//   decode_split_registers_kernel: each thread loads its U rows of K and V straight into
-//     registers with read-once 16-byte loads, then computes.
+// A thread block owns `chunk` consecutive positions of one sequence and GM query heads of one KV
+// group, so each K/V row is read from memory once for all heads of the group. Each keeps an
+// online softmax (running max m, sum l, fp32 accumulator) per head [Milakov & Gimelshein 2018;
+// FlashAttention, Dao et al. 2022], then merges its warps and writes the final output (one
+// split) or a normalized partial (o, m, l) for the split. Three kernels, same results:
+//   decode_split_mma_kernel (default): tensor cores, the group's heads as the MMA rows, K/V
+//     fragments loaded straight from the pool (see its comment);
+//   decode_split_pipelined_kernel: CUDA cores; D/8 lanes share one token row, each takes 16
+//     bytes (8 elements) of K and of V and holds the matching 8 query elements of every head,
+//     dot products end with a butterfly of warp shuffles, the U rows a thread takes at a time
+//     share one rescale; cp.async copies tiles of K/V into a 3-stage shared-memory ring;
+//   decode_split_registers_kernel: the same math with each thread's U rows of K and V loaded
+//     straight into registers with read-once 16-byte loads.
+// On an H200 the MMA kernel is 0.93-1.29x (median 1.06x) the faster CUDA-core kernel over the
+// benchmark's sizes (docs/benchmarks.md): those issue ~GM * D / 4 FMAs and shuffles per thread
+// per row, the MMA kernel a fixed amount of work per K/V byte.
 // Pass 2, decode_merge_kernel: grid (num_heads, num_seqs), D threads: out = sum_i w_i o_i / sum_i
 // w_i with w_i = l_i * 2^(m_i - max m) (flash-decoding, Dao, Haziza, Massa & Sizov 2023).
 //
@@ -73,6 +76,49 @@ struct DecodeWork {
     return (slot * p.num_kv_heads + kvh) * d;
   }
 };
+
+// Cross-warp merge through shared memory `red` (decode_red_floats<GM>(D) floats):
+//   red[warp][GM][D] normalized-later accumulators, then max m and sum l per (warp, head).
+template <int GM, int D>
+__device__ __forceinline__ void store_warp_stats(float* red, int warp, int g, float m, float l) {
+  float* red_m = red + kDecodeWarps * GM * D;
+  red_m[warp * GM + g] = m;
+  red_m[kDecodeWarps * GM + warp * GM + g] = l;
+}
+
+// After a barrier: out (one split) or this split's normalized partial (o, m, l) for the block's
+// w.ng heads, from the kDecodeWarps warps' (acc, m, l) in `red`.
+template <typename T, int D, int GM>
+__device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const DecodeWork& w,
+                                                      const float* red) {
+  const float* red_o = red;                          // [warps][GM][D]
+  const float* red_m = red + kDecodeWarps * GM * D;  // [warps][GM]
+  const float* red_l = red_m + kDecodeWarps * GM;    // [warps][GM]
+  for (int e = threadIdx.x; e < w.ng * D; e += kDecodeThreads) {
+    const int g = e / D, d = e - g * D;
+    float mx = kNegBig;
+#pragma unroll
+    for (int v = 0; v < kDecodeWarps; ++v) mx = fmaxf(mx, red_m[v * GM + g]);
+    float sum = 0.f, o = 0.f;
+#pragma unroll
+    for (int v = 0; v < kDecodeWarps; ++v) {
+      const float wgt = fast_exp2(red_m[v * GM + g] - mx);
+      sum += red_l[v * GM + g] * wgt;
+      o += red_o[(v * GM + g) * D + d] * wgt;
+    }
+    const int64_t head_row = static_cast<int64_t>(w.seq) * p.num_heads + w.h0 + g;
+    if (p.num_splits == 1) {
+      static_cast<T*>(p.out)[head_row * D + d] = Elem<T>::from_float(o / sum);
+    } else {
+      const int64_t part = head_row * p.num_splits + blockIdx.x;
+      p.part_o[part * D + d] = o / sum;
+      if (d == 0) {
+        p.part_ml[2 * part] = mx;
+        p.part_ml[2 * part + 1] = sum;
+      }
+    }
+  }
+}
 
 // Per-thread decode state: GM heads' query slice, running max/sum and accumulator.
 template <typename T, int D, int GM>
@@ -179,46 +225,17 @@ struct DecodeState {
         m[g] = mn;
       }
     }
-    float* red_o = red;                                   // [warps][GM][D]
-    float* red_m = red + kDecodeWarps * GM * D;           // [warps][GM]
-    float* red_l = red_m + kDecodeWarps * GM;             // [warps][GM]
     __syncthreads();  // `red` may alias buffers other warps were still reading
     if (row == 0) {
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) red_o[(warp * GM + g) * D + sub * 8 + i] = acc[g][i];
-        if (sub == 0) {
-          red_m[warp * GM + g] = m[g];
-          red_l[warp * GM + g] = l[g];
-        }
+        for (int i = 0; i < 8; ++i) red[(warp * GM + g) * D + sub * 8 + i] = acc[g][i];
+        if (sub == 0) store_warp_stats<GM, D>(red, warp, g, m[g], l[g]);
       }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < w.ng * D; e += kDecodeThreads) {
-      const int g = e / D, d = e - g * D;
-      float mx = kNegBig;
-#pragma unroll
-      for (int v = 0; v < kDecodeWarps; ++v) mx = fmaxf(mx, red_m[v * GM + g]);
-      float sum = 0.f, o = 0.f;
-#pragma unroll
-      for (int v = 0; v < kDecodeWarps; ++v) {
-        const float wgt = fast_exp2(red_m[v * GM + g] - mx);
-        sum += red_l[v * GM + g] * wgt;
-        o += red_o[(v * GM + g) * D + d] * wgt;
-      }
-      const int64_t head_row = static_cast<int64_t>(w.seq) * p.num_heads + w.h0 + g;
-      if (p.num_splits == 1) {
-        static_cast<T*>(p.out)[head_row * D + d] = Elem<T>::from_float(o / sum);
-      } else {
-        const int64_t part = head_row * p.num_splits + blockIdx.x;
-        p.part_o[part * D + d] = o / sum;
-        if (d == 0) {
-          p.part_ml[2 * part] = mx;
-          p.part_ml[2 * part + 1] = sum;
-        }
-      }
-    }
+    merge_warps_and_store<T, D, GM>(p, w, red);
   }
 };
 
@@ -281,7 +298,7 @@ decode_split_registers_kernel(const DecodeParams p) {
   st.finish(p, w, red);
 }
 
-// ---- variant 2 (default): cp.async into a 3-stage shared-memory ring ----
+// ---- variant 2: cp.async into a 3-stage shared-memory ring ----
 template <int D>
 struct PipelineShape {
   static constexpr int kTile = 4096 / D;                 // positions per stage: 8 KB of K + 8 of V
@@ -364,6 +381,194 @@ decode_split_pipelined_kernel(const DecodeParams p) {
   }
   cp_async_wait<0>();
   st.finish(p, w, reinterpret_cast<float*>(&ring[0][0][0]));
+}
+
+// ---- variant 3 (default): tensor cores, K/V fragments loaded straight from the pool ----
+// mma.m16n8k16 with the KV group's query heads as the rows (kMmaHeads = 8 per block; rows 8-15
+// stay zero), so the instructions per K/V byte do not grow with the group size: per 16 positions
+// a warp issues 16 MMAs for S = Q K^T and D / 8 for O += P V, against ~GM * D / 4 FMAs and
+// shuffles per thread in variants 1 and 2. Warp w takes positions [t0, t0 + 16) for
+// t0 = t_begin + 16 w, + 64, ...; each warp keeps its own (m, l, O) and the block merges them.
+// No shared-memory staging: the head dim and the positions are ordered (the same way for both
+// operands of each product, so the sums are unchanged) such that every load is a contiguous
+// 16-byte vector (PTX ISA fragment layouts, common.cuh; g = lane / 4, t = lane % 4):
+//   S: k-steps 2j and 2j+1 cover dims [32j, 32j + 32). Lane (g, t) loads the 16 bytes at dim
+//      32j + 8t of K row 8 nt + g (n-tile nt = 0, 1) and of Q head g; words 0 and 1 are k-step
+//      2j's (k 2t..2t+1 and 2t+8..2t+9), words 2 and 3 k-step 2j+1's.
+//   O: one k-step over the 16 positions. The S accumulator columns a lane holds, 2t and 2t+1 of
+//      each n-tile, are positions 2t, 2t+1 (b0) and 8+2t, 9+2t (b1); column g of d-tile dt is
+//      dim 64 (dt / 8) + 8 g + dt % 8. So the lane loads 16 bytes at dim 64 c + 8 g of each of
+//      its 4 rows (c < D / 64) and pairs two rows' elements per 32-bit word with byte permutes.
+// Each warp has 8 KB (D = 128) of loads in flight per step of 16 positions.
+constexpr int kMmaHeads = 8;
+
+// Word of a B fragment from two K/V rows: element `hi` of word w0 (row k) and of w1 (row k+1).
+__device__ __forceinline__ uint32_t pair_rows(uint32_t w0, uint32_t w1, bool hi) {
+  return hi ? (w0 >> 16) | (w1 & 0xffff0000u) : (w0 & 0xffffu) | (w1 << 16);
+}
+
+// PREFETCH (template parameter, chosen by the decode policy): load a warp's next 16 positions
+// while it computes these (double-buffered registers: twice the bytes in flight per warp). On
+// an H200 it pays at D = 128 (~245 registers, still 2 blocks per SM: 7-10% faster at large
+// batch x context) and costs at D = 64 (132 registers: 4 -> 3 blocks per SM), so the default
+// is on for D = 128 only (docs/benchmarks.md). Staging K/V through a lane-private cp.async ring
+// in shared memory instead (2-4 stages) measured slower than both: the ring's shared memory
+// cut the resident blocks.
+template <typename T, int D>
+struct MmaDecodeStep {
+  static constexpr int KJ = D / 32;  // 16-byte vectors of a K row per lane
+  static constexpr int VC = D / 64;  // 16-byte vectors of a V row per lane
+  static constexpr int DT = D / 8;   // d-tiles of O
+  Vec8 k[2][KJ], v[4][VC];           // K rows 8 nt + g; V rows 2t, 2t+1, 2t+8, 2t+9 (from t0)
+
+  // This lane's pieces of the 16 positions from t0 (zeros past the split's end); kpool / vpool
+  // are offset by the lane's 8t / 8g elements.
+  __device__ __forceinline__ void fetch(const DecodeParams& p, const DecodeWork& w,
+                                        const int64_t* bt, const T* kpool, const T* vpool,
+                                        int t0, int g, int t) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int pos = t0 + 8 * nt + g;
+      const bool ok = pos < w.t_end;
+      const T* src = kpool + (ok ? w.row_offset(p, bt, pos, D) : 0);
+#pragma unroll
+      for (int j = 0; j < KJ; ++j) k[nt][j] = ok ? ld_stream(src + 32 * j) : Vec8{};
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int pos = t0 + 8 * (r >> 1) + 2 * t + (r & 1);
+      const bool ok = pos < w.t_end;
+      const T* src = vpool + (ok ? w.row_offset(p, bt, pos, D) : 0);
+#pragma unroll
+      for (int c = 0; c < VC; ++c) v[r][c] = ok ? ld_stream(src + 64 * c) : Vec8{};
+    }
+  }
+
+  // Online softmax update of head g (running max m, this lane's partial sum l, O accumulator)
+  // with the 16 positions from t0.
+  __device__ __forceinline__ void attend(const DecodeParams& p, const DecodeWork& w,
+                                         const Vec8 (&q)[KJ], int t0, int t, float& m, float& l,
+                                         float (&o)[DT][4]) const {
+    // S = Q K^T: rows g (heads), columns 2t, 2t+1 of n-tile nt (positions 8nt + 2t + e).
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < KJ; ++j) {
+        const uint32_t a0[4] = {q[j].w[0], 0u, q[j].w[1], 0u};
+        const uint32_t a1[4] = {q[j].w[2], 0u, q[j].w[3], 0u};
+        Mma<T>::run(s[nt], a0, k[nt][j].w[0], k[nt][j].w[1]);
+        Mma<T>::run(s[nt], a1, k[nt][j].w[2], k[nt][j].w[3]);
+      }
+    }
+    // 4 of the 16 scores here, 12 in the quad's other lanes.
+    float mx = m;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int pos = t0 + 8 * nt + 2 * t + e;
+        s[nt][e] = pos < w.t_end ? s[nt][e] * p.scale_log2 : -INFINITY;
+        mx = fmaxf(mx, s[nt][e]);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float alpha = fast_exp2(m - mx);
+    m = mx;
+    l *= alpha;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      o[dt][0] *= alpha;
+      o[dt][1] *= alpha;
+    }
+    float pr[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        pr[nt][e] = fast_exp2(s[nt][e] - m);
+        l += pr[nt][e];
+      }
+    }
+    const uint32_t pa[4] = {Elem<T>::pack(pr[0][0], pr[0][1]), 0u,
+                            Elem<T>::pack(pr[1][0], pr[1][1]), 0u};
+    // O += P V over d-tiles dt = 8c + e: column g is dim 64c + 8g + e.
+#pragma unroll
+    for (int c = 0; c < VC; ++c) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int kw = e >> 1;
+        const bool hi = e & 1;
+        Mma<T>::run(o[8 * c + e], pa, pair_rows(v[0][c].w[kw], v[1][c].w[kw], hi),
+                    pair_rows(v[2][c].w[kw], v[3][c].w[kw], hi));
+      }
+    }
+  }
+};
+
+template <typename T, int D, bool PREFETCH>
+__global__ void __launch_bounds__(kDecodeThreads)
+decode_split_mma_kernel(const DecodeParams p) {
+  using Step = MmaDecodeStep<T, D>;
+  constexpr int GM = kMmaHeads, KJ = Step::KJ, DT = Step::DT;
+  constexpr int STRIDE = 16 * kDecodeWarps;  // positions between a warp's steps
+  __shared__ __align__(16) float red[decode_red_floats<GM>(D)];
+  TL_EMU_POISON(red);
+  DecodeWork w;
+  if (!w.init(p, GM)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+
+  Vec8 q[KJ];  // head g's dims [32j + 8t, +8): A-fragment words (zero for heads past ng)
+  {
+    const T* qp = static_cast<const T*>(p.query) +
+                  (static_cast<int64_t>(w.seq) * p.num_heads + w.h0 + (g < w.ng ? g : 0)) * D +
+                  8 * t;
+#pragma unroll
+    for (int j = 0; j < KJ; ++j) {
+      q[j] = ld_vec(qp + 32 * j);
+      if (g >= w.ng) q[j].w[0] = q[j].w[1] = q[j].w[2] = q[j].w[3] = 0u;
+    }
+  }
+  float o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m = kNegBig, l = 0.f;  // head g's running max (base 2) and this lane's partial sum
+
+  const int64_t* bt = p.block_tables + static_cast<int64_t>(w.seq) * p.max_blocks_per_seq;
+  const T* kpool = static_cast<const T*>(p.key_cache) + 8 * t;
+  const T* vpool = static_cast<const T*>(p.value_cache) + 8 * g;
+  const int first = w.t_begin + 16 * warp;
+  if constexpr (PREFETCH) {
+    Step cur;
+    if (first < w.t_end) cur.fetch(p, w, bt, kpool, vpool, first, g, t);
+    for (int t0 = first; t0 < w.t_end; t0 += STRIDE) {
+      Step next;
+      if (t0 + STRIDE < w.t_end) next.fetch(p, w, bt, kpool, vpool, t0 + STRIDE, g, t);
+      cur.attend(p, w, q, t0, t, m, l, o);
+      cur = next;
+    }
+  } else {
+    for (int t0 = first; t0 < w.t_end; t0 += STRIDE) {
+      Step cur;
+      cur.fetch(p, w, bt, kpool, vpool, t0, g, t);
+      cur.attend(p, w, q, t0, t, m, l, o);
+    }
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  // Lane (g, t) holds head g's dims 64c + 16t + e (o[8c + e][0]) and 64c + 16t + 8 + e ([1]).
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) {
+    const int d = 64 * (dt >> 3) + 16 * t + (dt & 7);
+    red[(warp * GM + g) * D + d] = o[dt][0];
+    red[(warp * GM + g) * D + d + 8] = o[dt][1];
+  }
+  if (t == 0) store_warp_stats<GM, D>(red, warp, g, m, l);
+  __syncthreads();
+  merge_warps_and_store<T, D, GM>(p, w, red);
 }
 
 template <typename T, int D>

@@ -13,13 +13,13 @@ from .paged_attention_cuda import (PagedAttentionResult, decode_num_splits,
                                    decode_workspace_size, paged_attention,
                                    paged_attention_decode, paged_attention_prefill,
                                    paged_kv_write, run_paged_attention, set_decode_kernel,
-                                   set_decode_policy)
+                                   set_decode_mma_prefetch, set_decode_policy)
 
 __all__ = [
     "CudaKernelError", "CudaKernelsUnavailable", "DeviceBuffer", "PagedAttentionResult",
     "availability", "bf16_bits_to_float32", "build_info", "candidate_paths", "decode_num_splits",
     "decode_workspace_size", "float32_to_bf16_bits", "from_device_dtype", "load_library",
     "paged_attention", "paged_attention_decode", "paged_attention_prefill", "paged_kv_write",
-    "run_paged_attention", "set_decode_kernel", "set_decode_policy", "synchronize",
+    "run_paged_attention", "set_decode_kernel", "set_decode_mma_prefetch", "set_decode_policy", "synchronize",
     "to_device_dtype", "use_library",
 ]

@@ -52,6 +52,7 @@ _SIGNATURES = {
     "tl_decode_num_splits": (_I, [_I, _I, _I, _I, _I]),
     "tl_set_decode_policy": (None, [_I, _I]),
     "tl_set_decode_kernel": (_I, [_I]),
+    "tl_set_decode_mma_prefetch": (None, [_I]),
     "tl_paged_attention_decode": (_I, [_I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I,
                                        _F, _P, _S, _P]),
     "tl_paged_attention_prefill": (_I, [_I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,

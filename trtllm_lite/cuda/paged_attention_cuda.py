@@ -59,15 +59,28 @@ def set_decode_policy(min_chunk: int = 0, ctas_per_sm: int = 0) -> None:
     load_library().tl_set_decode_policy(min_chunk, ctas_per_sm)
 
 
-DECODE_KERNELS = {"pipelined": 0, "registers": 1}
+DECODE_KERNELS = {"pipelined": 0, "registers": 1, "mma": 2}
 
 
-def set_decode_kernel(kernel: str = "pipelined") -> None:
-    """Choose how the decode brings K/V in: ``"pipelined"`` (cp.async through a shared-memory
-    ring, the default) or ``"registers"`` (read-once loads into registers). Same results."""
+def set_decode_kernel(kernel: str = "mma") -> None:
+    """Choose the decode split kernel: ``"mma"`` (tensor cores, fragments loaded straight from
+    the pool; the default), ``"pipelined"`` (CUDA cores, cp.async through a shared-memory ring)
+    or ``"registers"`` (CUDA cores, read-once loads into registers). Same results within
+    rounding.
+
+    Raises:
+        ValueError: ``kernel`` is not one of those names.
+    """
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {sorted(DECODE_KERNELS)}, got {kernel!r}")
     check(load_library().tl_set_decode_kernel(DECODE_KERNELS[kernel]), "tl_set_decode_kernel")
+
+
+def set_decode_mma_prefetch(prefetch: int = -1) -> None:
+    """Tune the ``"mma"`` decode kernel (benchmarks; same results): 1 loads a warp's next 16
+    positions while it computes these, 0 does not, -1 restores the default (on for head_dim
+    128, off for 64: the measured faster choice on an H200, docs/benchmarks.md)."""
+    load_library().tl_set_decode_mma_prefetch(int(prefetch))
 
 
 def paged_attention_decode(*, dtype: str, query: int, key_cache: int, value_cache: int, out: int,
