@@ -66,6 +66,43 @@ def test_import_without_gpu_is_harmless():
             tlcuda.DeviceBuffer(16)
 
 
+@pytest.mark.parametrize("call", [
+    lambda: tlcuda.set_decode_kernel("bogus"),
+    lambda: tlcuda.set_decode_mma_prefetch(5),
+    lambda: tlcuda.set_decode_mma_prefetch(2 ** 40),
+    lambda: tlcuda.set_decode_mma_prefetch("x"),
+    lambda: tlcuda.set_decode_policy(min_chunk=2 ** 40),
+    lambda: tlcuda.set_decode_policy(ctas_per_sm=-1),
+], ids=["kernel", "prefetch-5", "prefetch-2^40", "prefetch-str", "min_chunk-2^40", "ctas-negative"])
+def test_tuning_calls_reject_bad_values_before_loading_anything(call):
+    """A ValueError naming the parameter, with or without the library or a GPU (never a
+    silently truncated C int)."""
+    with pytest.raises(ValueError, match="kernel|prefetch|min_chunk|ctas_per_sm"):
+        call()
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(block_tables=(1, 0, 10 ** 9)), r"block_tables\[1, 0\] = 1000000000 is outside the pool's"),
+    (dict(block_tables=(2, 0, -1)), r"block_tables\[2, 0\] = -1"),
+    (dict(context_lens=(1, -50)), "context_lens must be >= 0"),
+    (dict(context_lens=(1, 10 ** 6)), "sequence 1 reads 1000001 positions but its block-table row"),
+    (dict(query_start_loc=(3, 7)), "query_start_loc must rise from 0 to 3 tokens"),
+])
+def test_run_paged_attention_rejects_metadata_the_kernels_would_follow_out_of_the_pool(bad, message):
+    """The kernels read block tables and lengths unchecked on the device (a GPU fault or, in
+    the emulation, a crash), so the host-side runner checks them first; no library needed."""
+    rng = np.random.default_rng(0)
+    step = random_step(rng, [40, 100, 7], [1, 1, 1], 8, 2, 64, 16)
+    for name, (i, *rest) in bad.items():
+        arr = step[name]
+        if rest and arr.ndim == 2:
+            arr[i, rest[0]] = rest[1]
+        else:
+            arr[i] = rest[0]
+    with pytest.raises(ValueError, match=message):
+        tlcuda.run_paged_attention(**step, scale=0.125, dtype="float16", mode="auto")
+
+
 def test_bf16_round_trip_rounds_to_nearest_even():
     x = np.array([1.0, 1.00390625, 1.01171875, -2.5, 3.0e-5, 65504.0], np.float32)
     bits = tlcuda.float32_to_bf16_bits(x)

@@ -53,9 +53,22 @@ def decode_num_splits(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
                                                    max_seq_len))
 
 
+def _tuning_int(name: str, value, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high]`` (a C int), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
 def set_decode_policy(min_chunk: int = 0, ctas_per_sm: int = 0) -> None:
     """Tune the decode split (benchmarks): tokens per split at least ``min_chunk``; aim at
-    ``ctas_per_sm`` thread blocks per multiprocessor. 0 restores the defaults."""
+    ``ctas_per_sm`` thread blocks per multiprocessor. 0 restores the defaults.
+
+    Raises:
+        ValueError: either is negative, not an integer, or beyond a C int.
+    """
+    min_chunk = _tuning_int("min_chunk", min_chunk, 0, 2**31 - 1)
+    ctas_per_sm = _tuning_int("ctas_per_sm", ctas_per_sm, 0, 2**31 - 1)
     load_library().tl_set_decode_policy(min_chunk, ctas_per_sm)
 
 
@@ -79,8 +92,13 @@ def set_decode_kernel(kernel: str = "mma") -> None:
 def set_decode_mma_prefetch(prefetch: int = -1) -> None:
     """Tune the ``"mma"`` decode kernel (benchmarks; same results): 1 loads a warp's next 16
     positions while it computes these, 0 does not, -1 restores the default (on for head_dim
-    128, off for 64: the measured faster choice on an H200, docs/benchmarks.md)."""
-    load_library().tl_set_decode_mma_prefetch(int(prefetch))
+    128, off for 64: the measured faster choice on an H200, docs/benchmarks.md).
+
+    Raises:
+        ValueError: ``prefetch`` is not -1, 0 or 1.
+    """
+    prefetch = _tuning_int("prefetch", prefetch, -1, 1)
+    load_library().tl_set_decode_mma_prefetch(prefetch)
 
 
 def paged_attention_decode(*, dtype: str, query: int, key_cache: int, value_cache: int, out: int,
@@ -132,6 +150,42 @@ class PagedAttentionResult:
     value_cache: np.ndarray
 
 
+def check_step_metadata(block_tables: np.ndarray, context_lens: np.ndarray,
+                        query_start_loc: np.ndarray, slot_mapping: np.ndarray, num_blocks: int,
+                        block_size: int, num_tokens: int) -> None:
+    """Host-side check of a step's metadata before the kernels read it unchecked.
+
+    Shapes: block_tables ``[S, M]``, context_lens ``[S]``, query_start_loc ``[S + 1]``,
+    slot_mapping ``[T]``, all int64. Sequence s reads positions ``[0, ctx_s + qlen_s)``.
+
+    Raises:
+        ValueError: naming the first bad input (see :func:`run_paged_attention`).
+    """
+    num_seqs, max_blocks = block_tables.shape
+    if context_lens.shape != (num_seqs,) or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"context_lens {context_lens.shape} / query_start_loc "
+                         f"{query_start_loc.shape} do not match {num_seqs} block-table rows")
+    qlens = np.diff(query_start_loc)
+    if num_seqs and (query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens or (qlens < 0).any()):
+        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens} tokens, got "
+                         f"{query_start_loc.tolist()}")
+    if (context_lens < 0).any():
+        raise ValueError(f"context_lens must be >= 0, got {context_lens.tolist()}")
+    spans = context_lens + qlens
+    if (spans > max_blocks * block_size).any():
+        s = int(np.argmax(spans > max_blocks * block_size))
+        raise ValueError(f"sequence {s} reads {int(spans[s])} positions but its block-table row "
+                         f"holds {max_blocks} blocks of {block_size}")
+    used = np.arange(max_blocks)[None, :] < -(-spans // block_size)[:, None]
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bad.any():
+        s, b = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"block_tables[{s}, {b}] = {int(block_tables[s, b])} is outside the "
+                         f"pool's {num_blocks} blocks")
+    if slot_mapping.shape != (num_tokens,) or (slot_mapping >= num_blocks * block_size).any():
+        raise ValueError(f"slot_mapping must hold {num_tokens} slots below {num_blocks * block_size}")
+
+
 def run_paged_attention(query, key, value, key_cache, value_cache, slot_mapping, block_tables,
                         context_lens, query_start_loc, scale: float, dtype: str = "float16",
                         mode: str = "auto", poison_output: bool = True,
@@ -142,12 +196,20 @@ def run_paged_attention(query, key, value, key_cache, value_cache, slot_mapping,
     ``mode``: ``"auto"`` (the op's own choice), ``"decode"`` or ``"prefill"`` (force a kernel).
     With ``poison_output`` the output starts as NaN, so unwritten elements show.
     ``max_query_len`` / ``max_seq_len`` override the bounds computed from the metadata.
+
+    Raises:
+        ValueError: metadata the kernels would follow out of the pool (they read it
+            unchecked on the device): a context length below 0, a sequence longer than its
+            block-table row, a block id it uses outside ``[0, num_blocks)``, offsets that do
+            not cover the tokens, a slot past the pool.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs, max_blocks = block_tables.shape
     qsl = np.asarray(query_start_loc, np.int64)
     ctx = np.asarray(context_lens, np.int64)
+    check_step_metadata(np.asarray(block_tables, np.int64), ctx, qsl,
+                        np.asarray(slot_mapping, np.int64), num_blocks, block_size, num_tokens)
     if max_query_len is None:
         max_query_len = int(np.max(np.diff(qsl))) if num_seqs else 0
     if max_seq_len is None:
