@@ -4,10 +4,10 @@
 #   bash tools/device_check.sh            (on a machine with a CUDA GPU, nvcc and PyTorch)
 #
 # 1. builds plugins_cu (sm_90 by default; TL_CUDA_ARCHS to change) and prints the register report;
-# 2. runs tests/test_cuda_kernels.py on the GPU backend: KV write, decode (both kernels) and
+# 2. runs tests/test_cuda_kernels.py on the GPU backend: KV write, decode (every kernel) and
 #    (chunked) prefill vs the float64 numpy reference on fresh random data (GQA/MQA/MHA, block
 #    sizes 16/32/64, outputs poisoned with NaN);
-# 3. times decode attention (both kernels), contexts 1k-32k x batch 1-64, against PyTorch SDPA on
+# 3. times decode attention (every kernel variant), contexts 1k-32k x batch 1-64, against PyTorch SDPA on
 #    a contiguous cache and the measured copy bandwidth (tools/bench_cuda_attention.py), a split
 #    policy sweep at 32k, and prefill;
 # 4. runs compute-sanitizer memcheck/racecheck on a few small cases when it is installed.

@@ -386,7 +386,7 @@ decode_split_pipelined_kernel(const DecodeParams p) {
 // ---- variant 3 (default): tensor cores, K/V fragments loaded straight from the pool ----
 // mma.m16n8k16 with the KV group's query heads as the rows (kMmaHeads = 8 per block; rows 8-15
 // stay zero), so the instructions per K/V byte do not grow with the group size: per 16 positions
-// a warp issues 16 MMAs for S = Q K^T and D / 8 for O += P V, against ~GM * D / 4 FMAs and
+// a warp issues D / 8 MMAs for S = Q K^T and D / 8 for O += P V, against ~GM * D / 4 FMAs and
 // shuffles per thread in variants 1 and 2. Warp w takes positions [t0, t0 + 16) for
 // t0 = t_begin + 16 w, + 64, ...; each warp keeps its own (m, l, O) and the block merges them.
 // No shared-memory staging: the head dim and the positions are ordered (the same way for both

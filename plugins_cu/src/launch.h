@@ -25,8 +25,8 @@ DecodePlan plan_decode(int num_seqs, int num_heads, int num_kv_heads, int head_d
 size_t decode_workspace_bound(int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                               int max_seq_len);
 void set_decode_policy(int min_chunk, int ctas_per_sm);
-int set_decode_kernel(int kernel);
-void set_decode_mma_prefetch(int prefetch);  // 0 / 1; < 0: on for head_dim 128 only  // TL_DECODE_PIPELINED, TL_DECODE_REGISTERS or TL_DECODE_MMA
+int set_decode_kernel(int kernel);  // TL_DECODE_MMA (default), TL_DECODE_PIPELINED or TL_DECODE_REGISTERS
+void set_decode_mma_prefetch(int prefetch);  // 0 / 1; < 0: on for head_dim 128 only
 
 int launch_decode(bool bf16, const void* query, const void* key_cache, const void* value_cache,
                   void* out, const int64_t* block_tables, const int64_t* context_lens,
