@@ -114,10 +114,33 @@ def test_unsupported_architecture_and_missing_tensor(tmp_path):
         load_hf_dir(d)
 
 
-@pytest.mark.parametrize("prompts", [{"a": 1}, 42, None])
+@pytest.mark.parametrize("prompts", [42, None, 3.5])
 def test_prompts_of_the_wrong_type_are_a_type_error(smollm2_llm, prompts):
     with pytest.raises(TypeError, match="prompts"):
         smollm2_llm.generate(prompts, SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("prompt", [{"a": 1}, {}, {"prompt": "Hi", "prompt_token_ids": [1, 2]},
+                                    [{"prompt": "Hi"}, {"text": "Hi"}]])
+def test_dict_prompts_take_exactly_prompt_or_prompt_token_ids(smollm2_llm, prompt):
+    """vLLM's TextPrompt / TokensPrompt forms; anything else names the keys, nothing runs."""
+    with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
+        smollm2_llm.generate(prompt, SamplingParams(max_tokens=1))
+    assert smollm2_llm.engine.kv.pool.num_free == smollm2_llm.engine.kv.pool.num_blocks
+
+
+def test_dict_prompts_generate_what_plain_prompts_do(smollm2_llm):
+    """``{"prompt": str}`` and ``{"prompt_token_ids": ids}`` (vLLM's forms), alone or mixed in
+    a list with plain prompts, give the same greedy tokens as the plain forms."""
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    text = "The capital of France is"
+    ids = smollm2_llm.tokenizer.encode(text)
+    plain = smollm2_llm.generate([text, ids], params)
+    single = smollm2_llm.generate({"prompt_token_ids": ids}, params)
+    mixed = smollm2_llm.generate([{"prompt": text}, {"prompt_token_ids": ids}, text], params)
+    want = [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in single] == want[1:]
+    assert [o.outputs[0].token_ids for o in mixed] == want + want[:1]
 
 
 def test_serve_cli_rejects_a_bad_port_and_reports_a_busy_one(smollm2_engine):

@@ -24,7 +24,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, cache_salt: str | None = None) -> list[RequestOutput]:
-        """Generate for ``prompts`` (a str, a list of token ids, or a list of either).
+        """Generate for ``prompts``: a str, a list of token ids, vLLM's dict forms
+        ``{"prompt": str}`` and ``{"prompt_token_ids": [int, ...]}``, or a list of any of these.
 
         ``cache_salt`` (vLLM's name): prefix-cache blocks are shared only between requests
         with the same salt (e.g. one per tenant), so timing cannot reveal another's prompt.
@@ -33,11 +34,12 @@ class LLM:
         is validated before any runs; a bad one raises ``ValueError`` / ``TypeError`` naming
         the problem and nothing is queued.
         """
-        if not isinstance(prompts, (str, list, tuple)):
-            raise TypeError(f"prompts must be a str, a list of token ids, or a list of either; "
-                            f"got {type(prompts).__name__}")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if not isinstance(prompts, (str, list, tuple, dict)):
+            raise TypeError(f"prompts must be a str, a list of token ids, a dict with 'prompt' or "
+                            f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_prompt_from_dict(p) if isinstance(p, dict) else p for p in prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -68,6 +70,20 @@ class LLM:
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt
         return outs
+
+
+def _prompt_from_dict(prompt: dict):
+    """vLLM's ``TextPrompt`` / ``TokensPrompt``: ``{"prompt": str}`` or
+    ``{"prompt_token_ids": [...]}`` (exactly one of the two; no other keys).
+
+    Raises:
+        ValueError: another key, both keys, or neither.
+    """
+    keys = set(prompt)
+    if keys not in ({"prompt"}, {"prompt_token_ids"}):
+        raise ValueError(f"a dict prompt takes exactly one of 'prompt' or 'prompt_token_ids', "
+                         f"got keys {sorted(keys)}")
+    return prompt["prompt"] if "prompt" in keys else prompt["prompt_token_ids"]
 
 
 def _no_tokenizer():
