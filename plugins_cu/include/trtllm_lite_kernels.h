@@ -39,7 +39,8 @@ enum {
   TL_ERR_BLOCK_SIZE = -3, /* block_size is not a power of two */
   TL_ERR_HEADS = -4,      /* num_heads is not a positive multiple of num_kv_heads */
   TL_ERR_WORKSPACE = -5,  /* workspace missing or smaller than tl_decode_workspace_size() */
-  TL_ERR_SHAPE = -6       /* a size is negative or too large for the grid */
+  TL_ERR_SHAPE = -6,      /* a size is negative or too large for the grid */
+  TL_ERR_KERNEL = -7      /* tl_set_decode_kernel: not a TL_DECODE_* value */
 };
 
 /* Version of this ABI (bumped on any signature change). */

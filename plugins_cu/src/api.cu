@@ -61,6 +61,7 @@ const char* tl_error_string(int code) {
     case TL_ERR_HEADS: return "num_heads must be a positive multiple of num_kv_heads";
     case TL_ERR_WORKSPACE: return "decode workspace missing or smaller than tl_decode_workspace_size()";
     case TL_ERR_SHAPE: return "a size is negative or too large for the launch grid";
+    case TL_ERR_KERNEL: return "unknown decode kernel (expected TL_DECODE_MMA, _PIPELINED or _REGISTERS)";
     default: break;
   }
   return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown error";

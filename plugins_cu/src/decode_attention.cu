@@ -150,7 +150,7 @@ void set_decode_mma_prefetch(int prefetch) { g_policy.mma_prefetch = prefetch < 
 
 int set_decode_kernel(int kernel) {
   if (kernel != TL_DECODE_PIPELINED && kernel != TL_DECODE_REGISTERS && kernel != TL_DECODE_MMA)
-    return TL_ERR_SHAPE;
+    return TL_ERR_KERNEL;
   g_policy.kernel = kernel;
   return 0;
 }
