@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from trtllm_lite import LLM, SamplingParams
@@ -120,12 +121,22 @@ def test_prompts_of_the_wrong_type_are_a_type_error(smollm2_llm, prompts):
         smollm2_llm.generate(prompts, SamplingParams(max_tokens=1))
 
 
-@pytest.mark.parametrize("prompt", [{"a": 1}, {}, {"prompt": "Hi", "prompt_token_ids": [1, 2]},
-                                    [{"prompt": "Hi"}, {"text": "Hi"}]])
-def test_dict_prompts_take_exactly_prompt_or_prompt_token_ids(smollm2_llm, prompt):
-    """vLLM's TextPrompt / TokensPrompt forms; anything else names the keys, nothing runs."""
-    with pytest.raises(ValueError, match="exactly one of 'prompt' or 'prompt_token_ids'"):
+@pytest.mark.parametrize("prompt,error,match", [
+    ({"a": 1}, ValueError, "exactly one of 'prompt' or 'prompt_token_ids'"),
+    ({}, ValueError, "exactly one of"),
+    ({"prompt": "Hi", "prompt_token_ids": [1, 2]}, ValueError, "exactly one of"),
+    ([{"prompt": "Hi"}, {"text": "Hi"}], ValueError, "exactly one of"),
+    ({1: "a", "prompt": "x"}, ValueError, "exactly one of"),
+    ({"prompt": [1, 2]}, TypeError, "'prompt' must be a str"),
+    ({"prompt_token_ids": "The capital"}, TypeError, "'prompt_token_ids' must be a list of token ids"),
+])
+def test_dict_prompts_take_exactly_prompt_or_prompt_token_ids(smollm2_llm, prompt, error, match):
+    """vLLM's TextPrompt / TokensPrompt forms; anything else names the keys or the type, and
+    nothing runs (the engine's make_request, which AsyncLLM shares, does the check)."""
+    with pytest.raises(error, match=match):
         smollm2_llm.generate(prompt, SamplingParams(max_tokens=1))
+    with pytest.raises(error, match=match):
+        smollm2_llm.engine.make_request(prompt if isinstance(prompt, dict) else prompt[1])
     assert smollm2_llm.engine.kv.pool.num_free == smollm2_llm.engine.kv.pool.num_blocks
 
 
@@ -138,9 +149,12 @@ def test_dict_prompts_generate_what_plain_prompts_do(smollm2_llm):
     plain = smollm2_llm.generate([text, ids], params)
     single = smollm2_llm.generate({"prompt_token_ids": ids}, params)
     mixed = smollm2_llm.generate([{"prompt": text}, {"prompt_token_ids": ids}, text], params)
+    numpy_ids = smollm2_llm.generate(list(np.asarray(ids, np.int64)), params)
     want = [o.outputs[0].token_ids for o in plain]
     assert [o.outputs[0].token_ids for o in single] == want[1:]
     assert [o.outputs[0].token_ids for o in mixed] == want + want[:1]
+    assert [o.outputs[0].token_ids for o in numpy_ids] == want[1:]   # numpy ints as ids
+    assert mixed[0].prompt == text
 
 
 def test_serve_cli_rejects_a_bad_port_and_reports_a_busy_one(smollm2_engine):

@@ -1,6 +1,8 @@
 """``LLM``: the offline (synchronous) Python API, in the vLLM habit."""
 from __future__ import annotations
 
+import numbers
+
 from .core.llm_engine import LLMEngine
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -37,9 +39,8 @@ class LLM:
         if not isinstance(prompts, (str, list, tuple, dict)):
             raise TypeError(f"prompts must be a str, a list of token ids, a dict with 'prompt' or "
                             f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
-        prompts = [_prompt_from_dict(p) if isinstance(p, dict) else p for p in prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -70,20 +71,6 @@ class LLM:
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt
         return outs
-
-
-def _prompt_from_dict(prompt: dict):
-    """vLLM's ``TextPrompt`` / ``TokensPrompt``: ``{"prompt": str}`` or
-    ``{"prompt_token_ids": [...]}`` (exactly one of the two; no other keys).
-
-    Raises:
-        ValueError: another key, both keys, or neither.
-    """
-    keys = set(prompt)
-    if keys not in ({"prompt"}, {"prompt_token_ids"}):
-        raise ValueError(f"a dict prompt takes exactly one of 'prompt' or 'prompt_token_ids', "
-                         f"got keys {sorted(keys)}")
-    return prompt["prompt"] if "prompt" in keys else prompt["prompt_token_ids"]
 
 
 def _no_tokenizer():

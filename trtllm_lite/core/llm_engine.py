@@ -34,6 +34,28 @@ CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
+def prompt_from_dict(prompt: dict) -> str | list[int]:
+    """vLLM's ``TextPrompt`` / ``TokensPrompt``: ``{"prompt": str}`` or
+    ``{"prompt_token_ids": [int, ...]}``, exactly one of the two keys and no other.
+
+    Raises:
+        ValueError: another key, both keys, or neither.
+        TypeError: ``prompt`` is not a str, or ``prompt_token_ids`` is a str.
+    """
+    keys = set(prompt)
+    if keys not in ({"prompt"}, {"prompt_token_ids"}):
+        raise ValueError(f"a dict prompt takes exactly one of 'prompt' or 'prompt_token_ids', "
+                         f"got keys {sorted(map(repr, keys))}")
+    if "prompt" in keys:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"'prompt' must be a str (token ids go in 'prompt_token_ids'), got "
+                            f"{type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    if isinstance(prompt["prompt_token_ids"], str):
+        raise TypeError("'prompt_token_ids' must be a list of token ids, got a str (text goes in 'prompt')")
+    return prompt["prompt_token_ids"]
+
+
 def default_max_num_batched_tokens(build: dict, max_num_seqs: int, offline: bool = False) -> int:
     """The token budget an engine uses when not given one (chunked prefill on): the build
     value, capped on the ONNX Runtime CPU backend at :data:`CPU_MAX_NUM_BATCHED_TOKENS`
@@ -187,12 +209,17 @@ class LLMEngine:
                              f"{self.scheduler_config.max_seq_len}")
         return ids
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                      request_id: str | None = None, cache_salt: str | None = None) -> Request:
         """Validate and build a request without queueing it (safe from any thread).
 
+        ``prompt``: text, token ids, or vLLM's ``{"prompt": str}`` / ``{"prompt_token_ids":
+        [int, ...]}`` dicts (:func:`prompt_from_dict`).
+
         Raises ``ValueError`` / ``TypeError`` naming the problem.
         """
+        if isinstance(prompt, dict):
+            prompt = prompt_from_dict(prompt)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
