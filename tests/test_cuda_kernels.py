@@ -84,9 +84,11 @@ def test_tuning_calls_reject_bad_values_before_loading_anything(call):
 @pytest.mark.parametrize("bad,message", [
     (dict(block_tables=(1, 0, 10 ** 9)), r"block_tables\[1, 0\] = 1000000000 is outside the pool's"),
     (dict(block_tables=(2, 0, -1)), r"block_tables\[2, 0\] = -1"),
-    (dict(context_lens=(1, -50)), "context_lens must be >= 0"),
-    (dict(context_lens=(1, 10 ** 6)), "sequence 1 reads 1000001 positions but its block-table row"),
+    (dict(context_lens=(1, -50)), r"context_lens must be in \[0, 144\]"),
+    (dict(context_lens=(1, 10 ** 6)), r"context_lens must be in \[0, 144\]"),
+    (dict(context_lens=(1, 144)), "sequence 1 reads 145 positions but its block-table row"),
     (dict(query_start_loc=(3, 7)), "query_start_loc must rise from 0 to 3 tokens"),
+    (dict(context_lens=(0, 2 ** 63 - 1)), r"context_lens must be in \[0, "),   # no int64 wrap
 ])
 def test_run_paged_attention_rejects_metadata_the_kernels_would_follow_out_of_the_pool(bad, message):
     """The kernels read block tables and lengths unchecked on the device (a GPU fault or, in
@@ -101,6 +103,26 @@ def test_run_paged_attention_rejects_metadata_the_kernels_would_follow_out_of_th
             arr[i] = rest[0]
     with pytest.raises(ValueError, match=message):
         tlcuda.run_paged_attention(**step, scale=0.125, dtype="float16", mode="auto")
+
+
+def test_run_paged_attention_rejects_shapes_and_decodes_the_metadata_contradicts():
+    """Tensors whose shapes disagree (the kernels size everything from query and key_cache),
+    zero sequences with tokens, and a decode forced on a step whose sequences do not have one
+    token each (the decode kernels would read past the block-table rows)."""
+    rng = np.random.default_rng(0)
+    step = random_step(rng, [40, 100, 7], [1, 1, 1], 8, 2, 64, 16)
+    for name, arr in (("value_cache", step["value_cache"][:1]), ("key", step["key"][:2]),
+                      ("value", step["value"][:, :, :32])):
+        with pytest.raises(ValueError, match="shapes disagree"):
+            tlcuda.run_paged_attention(**(step | {name: arr}), scale=0.125)
+    empty = step | dict(block_tables=np.zeros((0, 2), np.int64), context_lens=np.zeros(0, np.int64),
+                        query_start_loc=np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match="query_start_loc must rise from 0 to 3 tokens"):
+        tlcuda.run_paged_attention(**empty, scale=0.125)
+    ragged = random_step(rng, [0, 32], [2, 0], 8, 2, 64, 16)
+    for mode in ("auto", "decode"):
+        with pytest.raises(ValueError, match="exactly one query token per sequence"):
+            tlcuda.run_paged_attention(**ragged, scale=0.125, mode=mode, max_query_len=1)
 
 
 def test_bf16_round_trip_rounds_to_nearest_even():

@@ -165,17 +165,18 @@ DecodePlan plan_decode_for(int kernel, int num_seqs, int num_heads, int num_kv_h
   const int64_t slots =
       static_cast<int64_t>(sm_count()) * resident_blocks(kernel, head_dim, plan.heads_per_cta);
   max_seq_len = max_seq_len > 1 ? max_seq_len : 1;
-  const int64_t max_splits = (max_seq_len + g_policy.min_chunk - 1) / g_policy.min_chunk;
+  const int64_t max_splits =
+      (static_cast<int64_t>(max_seq_len) + g_policy.min_chunk - 1) / g_policy.min_chunk;
   const int64_t want = blocks >= slots ? 1 : choose_splits(blocks, slots, max_splits);
   plan.chunk = max_seq_len;
   plan.num_splits = 1;
-  if (want > 1) {
-    int chunk = static_cast<int>((max_seq_len + want - 1) / want);
+  if (want > 1) {   // int64: max_seq_len and min_chunk may each be near INT_MAX
+    int64_t chunk = (static_cast<int64_t>(max_seq_len) + want - 1) / want;
     chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
     chunk = chunk > g_policy.min_chunk ? chunk : g_policy.min_chunk;
     if (chunk < max_seq_len) {
-      plan.chunk = chunk;
-      plan.num_splits = (max_seq_len + chunk - 1) / chunk;
+      plan.chunk = static_cast<int>(chunk);
+      plan.num_splits = static_cast<int>((max_seq_len + chunk - 1) / chunk);
     }
   }
   plan.workspace_bytes =

@@ -166,14 +166,16 @@ def check_step_metadata(block_tables: np.ndarray, context_lens: np.ndarray,
         raise ValueError(f"context_lens {context_lens.shape} / query_start_loc "
                          f"{query_start_loc.shape} do not match {num_seqs} block-table rows")
     qlens = np.diff(query_start_loc)
-    if num_seqs and (query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens or (qlens < 0).any()):
+    if query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens or (qlens < 0).any():
         raise ValueError(f"query_start_loc must rise from 0 to {num_tokens} tokens, got "
                          f"{query_start_loc.tolist()}")
-    if (context_lens < 0).any():
-        raise ValueError(f"context_lens must be >= 0, got {context_lens.tolist()}")
+    capacity = max_blocks * block_size
+    if (context_lens < 0).any() or (context_lens > capacity).any():   # before any sum can overflow
+        raise ValueError(f"context_lens must be in [0, {capacity}] (the block-table rows' "
+                         f"positions), got {context_lens.tolist()}")
     spans = context_lens + qlens
-    if (spans > max_blocks * block_size).any():
-        s = int(np.argmax(spans > max_blocks * block_size))
+    if (spans > capacity).any():
+        s = int(np.argmax(spans > capacity))
         raise ValueError(f"sequence {s} reads {int(spans[s])} positions but its block-table row "
                          f"holds {max_blocks} blocks of {block_size}")
     used = np.arange(max_blocks)[None, :] < -(-spans // block_size)[:, None]
@@ -201,11 +203,19 @@ def run_paged_attention(query, key, value, key_cache, value_cache, slot_mapping,
         ValueError: metadata the kernels would follow out of the pool (they read it
             unchecked on the device): a context length below 0, a sequence longer than its
             block-table row, a block id it uses outside ``[0, num_blocks)``, offsets that do
-            not cover the tokens, a slot past the pool.
+            not cover the tokens, a slot past the pool, tensors whose shapes disagree, a
+            decode (``mode="decode"``, or ``"auto"`` with ``max_query_len`` 1) whose
+            sequences do not have exactly one token each.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs, max_blocks = block_tables.shape
+    kv_shape = (num_tokens, num_kv_heads, head_dim)
+    if key.shape != kv_shape or value.shape != kv_shape or value_cache.shape != key_cache.shape \
+            or key_cache.shape[3] != head_dim:
+        raise ValueError(f"shapes disagree: query {query.shape}, key {key.shape}, value {value.shape}, "
+                         f"key_cache {key_cache.shape}, value_cache {value_cache.shape} (expected key / "
+                         f"value {kv_shape}, caches [num_blocks, block_size, {num_kv_heads}, {head_dim}])")
     qsl = np.asarray(query_start_loc, np.int64)
     ctx = np.asarray(context_lens, np.int64)
     check_step_metadata(np.asarray(block_tables, np.int64), ctx, qsl,
@@ -214,6 +224,10 @@ def run_paged_attention(query, key, value, key_cache, value_cache, slot_mapping,
         max_query_len = int(np.max(np.diff(qsl))) if num_seqs else 0
     if max_seq_len is None:
         max_seq_len = int(np.max(ctx + np.diff(qsl))) if num_seqs else 0
+    decodes = mode == "decode" or (mode == "auto" and num_tokens == num_seqs and max_query_len == 1)
+    if decodes and (np.diff(qsl) != 1).any():   # the decode kernels read ctx + 1 positions each
+        raise ValueError("decode needs exactly one query token per sequence (query_start_loc "
+                         f"{qsl.tolist()}); max_query_len={max_query_len} says otherwise")
     dev = {name: DeviceBuffer.from_array(to_device_dtype(arr, dtype)) for name, arr in
            dict(query=query, key=key, value=value, key_cache=key_cache,
                 value_cache=value_cache).items()}
@@ -243,8 +257,6 @@ def run_paged_attention(query, key, value, key_cache, value_cache, slot_mapping,
                        slot_mapping=ptr["slot_mapping"], num_tokens=num_tokens,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
         if mode == "decode":
-            if num_tokens != num_seqs or max_query_len != 1:
-                raise ValueError("decode mode needs exactly one query token per sequence")
             paged_attention_decode(**common, max_seq_len=max_seq_len,
                                    workspace=ws.ptr if ws else 0, workspace_size=ws_size)
         elif mode == "prefill":
