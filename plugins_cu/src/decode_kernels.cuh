@@ -409,8 +409,8 @@ __device__ __forceinline__ uint32_t pair_rows(uint32_t w0, uint32_t w1, bool hi)
 
 // PREFETCH (template parameter, chosen by the decode policy): load a warp's next 16 positions
 // while it computes these (double-buffered registers: twice the bytes in flight per warp). On
-// an H200 it pays at D = 128 (~245 registers, still 2 blocks per SM: 7-10% faster at large
-// batch x context) and costs at D = 64 (132 registers: 4 -> 3 blocks per SM), so the default
+// an H200 it pays at D = 128 (~245 registers, still 2 blocks per SM: 0-10% faster at batch x
+// context >= 16 x 4k, 8-10% in 5 of those 6 cells) and costs at D = 64 (132 registers: 4 -> 3 blocks per SM), so the default
 // is on for D = 128 only (docs/benchmarks.md). Staging K/V through a lane-private cp.async ring
 // in shared memory instead (2-4 stages) measured slower than both: the ring's shared memory
 // cut the resident blocks.

@@ -220,12 +220,13 @@ def run_paged_attention(query, key, value, key_cache, value_cache, slot_mapping,
     ctx = np.asarray(context_lens, np.int64)
     check_step_metadata(np.asarray(block_tables, np.int64), ctx, qsl,
                         np.asarray(slot_mapping, np.int64), num_blocks, block_size, num_tokens)
+    qlens = np.diff(qsl)
     if max_query_len is None:
-        max_query_len = int(np.max(np.diff(qsl))) if num_seqs else 0
+        max_query_len = int(np.max(qlens)) if num_seqs else 0
     if max_seq_len is None:
-        max_seq_len = int(np.max(ctx + np.diff(qsl))) if num_seqs else 0
+        max_seq_len = int(np.max(ctx + qlens)) if num_seqs else 0
     decodes = mode == "decode" or (mode == "auto" and num_tokens == num_seqs and max_query_len == 1)
-    if decodes and (np.diff(qsl) != 1).any():   # the decode kernels read ctx + 1 positions each
+    if decodes and (qlens != 1).any():   # the decode kernels read ctx + 1 positions each
         raise ValueError("decode needs exactly one query token per sequence (query_start_loc "
                          f"{qsl.tolist()}); max_query_len={max_query_len} says otherwise")
     dev = {name: DeviceBuffer.from_array(to_device_dtype(arr, dtype)) for name, arr in
