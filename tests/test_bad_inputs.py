@@ -32,10 +32,22 @@ def test_bad_request_raises_and_engine_keeps_serving(smollm2_llm, prompt, params
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"),
+    # a truthy string must not read as True (ignore_eos="no" generated past the answer)
+    (dict(ignore_eos="no"), "ignore_eos must be a bool"),
+    (dict(include_stop_str_in_output="x"), "include_stop_str_in_output must be a bool"),
+    (dict(skip_special_tokens=1), "skip_special_tokens must be a bool"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_numpy_scalars_are_accepted_as_python_numbers():
+    p = SamplingParams(max_tokens=np.int64(5), temperature=np.float32(0.5), seed=np.int64(3),
+                       stop_token_ids=[np.int32(2)], ignore_eos=np.bool_(True))
+    assert (p.max_tokens, p.temperature, p.seed, p.stop_token_ids, p.ignore_eos) == (5, 0.5, 3, [2], True)
+    assert all(type(v) is t for v, t in ((p.max_tokens, int), (p.temperature, float), (p.seed, int),
+                                          (p.stop_token_ids[0], int), (p.ignore_eos, bool)))
 
 
 def test_abort_frees_blocks_at_every_stage(smollm2_llm):

@@ -1,7 +1,10 @@
 """Per-request sampling and stopping parameters, with vLLM / TensorRT-LLM names and meanings."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields
+
+import numpy as np
 
 MAX_LOGPROBS = 20   # top-N log-probabilities per position, at most (vLLM's default cap)
 
@@ -81,10 +84,23 @@ class SamplingParams:
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
         def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
+            return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
         def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+            return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and v == v
+
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                bad(name, "must be a bool")
+            setattr(self, name, bool(getattr(self, name)))
+        # numpy scalars are accepted and stored as Python numbers
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+            if is_int(getattr(self, name)):
+                setattr(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if is_num(getattr(self, name)) and not isinstance(getattr(self, name), int):
+                setattr(self, name, float(getattr(self, name)))
 
         if not is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
@@ -113,6 +129,7 @@ class SamplingParams:
             bad("bad_words", "must be non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
