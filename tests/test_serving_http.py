@@ -241,6 +241,31 @@ def test_models_health_metrics_tokenizer(server, smollm2_llm):
     assert detok["prompt"] == "Hello world"
 
 
+def test_refused_http_requests_are_counted_like_grpc_ones(server):
+    """Every generation request refused with 400/404 adds one invalid_argument outcome
+    (docs/serving.md), whether pydantic, the model check, the parameters or the prompt
+    refused it; a bad /tokenize call is not a generation request and adds none."""
+    base = f"http://{server.http}"
+
+    def refused():
+        body = httpx.get(f"{base}/metrics", timeout=30).text
+        line = next((x for x in body.splitlines()
+                     if x.startswith('trtllm_lite_request_outcomes_total{outcome="invalid_argument"}')), None)
+        return float(line.split(" ")[1]) if line else 0.0
+
+    bad = [("/v1/completions", {"prompt": PROMPT, "temperature": -1}, 400),
+           ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, 400),
+           ("/v1/completions", {"prompt": PROMPT, "n": "a"}, 400),          # pydantic
+           ("/v1/completions", {"prompt": PROMPT, "model": "nope"}, 404),
+           ("/v1/completions", {"prompt": ""}, 400),                       # the engine's check
+           ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 2}, 400)]
+    before = refused()
+    for path, body, status in bad:
+        assert httpx.post(base + path, json=body, timeout=30).status_code == status, body
+    assert httpx.post(f"{base}/tokenize", json={"prompt": 5}, timeout=30).status_code == 400
+    assert refused() == before + len(bad)
+
+
 def test_grpc_and_http_share_one_engine(server, grpc_client, smollm2_llm):
     ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=48, temperature=0.0))[0].outputs[0]
     got = {}

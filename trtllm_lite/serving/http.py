@@ -28,6 +28,7 @@ from . import openai_protocol as oa
 from .engine_service import Accumulator, EngineService, classify, position_logprobs
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+_GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 class NotFound(LookupError):
@@ -140,8 +141,9 @@ class OpenAIServer:
         app.post("/detokenize")(self.detokenize)
         self.app = app
 
-    @staticmethod
-    async def _invalid(request, exc: RequestValidationError):
+    async def _invalid(self, request, exc: RequestValidationError):
+        if request.url.path in _GENERATION_ROUTES:   # a malformed generation request
+            self.service.metrics.record_failed("invalid_argument")
         err = (exc.errors() or [{}])[0]
         msg = err.get("msg", "invalid request")
         if err.get("type") == "json_invalid":
@@ -244,6 +246,13 @@ class OpenAIServer:
 
         return fmt.whole(await until_disconnected(request, run_all()))
 
+    def _rejected(self, e: BaseException) -> JSONResponse:
+        """A generation request refused before it reached the engine (its model, prompt or
+        parameters): counted in the request outcomes as gRPC's are, then the HTTP error."""
+        self.service.metrics.record_failed("invalid_argument" if isinstance(e, NotFound)
+                                           else classify(e).name.lower())
+        return error_response(e)
+
     async def completions(self, body: oa.CompletionRequest, request: Request):
         try:
             self._check_model(body.model)
@@ -251,6 +260,9 @@ class OpenAIServer:
             params = self.service.sampling_params(body.sampling_values())
             texts = [p if isinstance(p, str) else self.service.tokenizer.decode(p) for p in prompts] \
                 if body.echo else None
+        except Exception as e:  # noqa: BLE001
+            return self._rejected(e)
+        try:   # errors from here on are counted where the engine raises them (engine_service)
             return await self._run(request, body, prompts, params, "text", texts)
         except Exception as e:  # noqa: BLE001 - every request error becomes an HTTP status
             return error_response(e)
@@ -261,6 +273,9 @@ class OpenAIServer:
             ids = self.service.chat_prompt(body.message_dicts(), body.add_generation_prompt)
             room = self.service.llm.engine.max_model_len - len(ids)
             params = self.service.sampling_params(body.sampling_values(room))
+        except Exception as e:  # noqa: BLE001
+            return self._rejected(e)
+        try:
             return await self._run(request, body, [ids], params, "chat", None)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
