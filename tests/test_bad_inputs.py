@@ -141,6 +141,7 @@ def test_prompts_of_the_wrong_type_are_a_type_error(smollm2_llm, prompts):
     ({1: "a", "prompt": "x"}, ValueError, "exactly one of"),
     ({"prompt": [1, 2]}, TypeError, "'prompt' must be a str"),
     ({"prompt_token_ids": "The capital"}, TypeError, "'prompt_token_ids' must be a list of token ids"),
+    ({"prompt_token_ids": 5}, TypeError, "'prompt_token_ids' must be a list of token ids, got int"),
 ])
 def test_dict_prompts_take_exactly_prompt_or_prompt_token_ids(smollm2_llm, prompt, error, match):
     """vLLM's TextPrompt / TokensPrompt forms; anything else names the keys or the type, and
@@ -162,10 +163,12 @@ def test_dict_prompts_generate_what_plain_prompts_do(smollm2_llm):
     single = smollm2_llm.generate({"prompt_token_ids": ids}, params)
     mixed = smollm2_llm.generate([{"prompt": text}, {"prompt_token_ids": ids}, text], params)
     numpy_ids = smollm2_llm.generate(list(np.asarray(ids, np.int64)), params)
+    array_ids = smollm2_llm.generate(np.asarray(ids), params)
     want = [o.outputs[0].token_ids for o in plain]
     assert [o.outputs[0].token_ids for o in single] == want[1:]
     assert [o.outputs[0].token_ids for o in mixed] == want + want[:1]
     assert [o.outputs[0].token_ids for o in numpy_ids] == want[1:]   # numpy ints as ids
+    assert [o.outputs[0].token_ids for o in array_ids] == want[1:]   # a 1-D array of ids
     assert mixed[0].prompt == text
 
 

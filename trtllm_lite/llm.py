@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
+
 from .core.llm_engine import LLMEngine
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -36,6 +38,8 @@ class LLM:
         is validated before any runs; a bad one raises ``ValueError`` / ``TypeError`` naming
         the problem and nothing is queued.
         """
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:   # one prompt's token ids
+            prompts = [prompts.tolist()]
         if not isinstance(prompts, (str, list, tuple, dict)):
             raise TypeError(f"prompts must be a str, a list of token ids, a dict with 'prompt' or "
                             f"'prompt_token_ids', or a list of these; got {type(prompts).__name__}")

@@ -40,7 +40,8 @@ def prompt_from_dict(prompt: dict) -> str | list[int]:
 
     Raises:
         ValueError: another key, both keys, or neither.
-        TypeError: ``prompt`` is not a str, or ``prompt_token_ids`` is a str.
+        TypeError: ``prompt`` is not a str, or ``prompt_token_ids`` is not a list, tuple or
+            1-D array.
     """
     keys = set(prompt)
     if keys not in ({"prompt"}, {"prompt_token_ids"}):
@@ -51,9 +52,11 @@ def prompt_from_dict(prompt: dict) -> str | list[int]:
             raise TypeError(f"'prompt' must be a str (token ids go in 'prompt_token_ids'), got "
                             f"{type(prompt['prompt']).__name__}")
         return prompt["prompt"]
-    if isinstance(prompt["prompt_token_ids"], str):
-        raise TypeError("'prompt_token_ids' must be a list of token ids, got a str (text goes in 'prompt')")
-    return prompt["prompt_token_ids"]
+    ids = prompt["prompt_token_ids"]
+    if not isinstance(ids, (list, tuple, np.ndarray)):
+        hint = " (text goes in 'prompt')" if isinstance(ids, str) else ""
+        raise TypeError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}{hint}")
+    return ids
 
 
 def default_max_num_batched_tokens(build: dict, max_num_seqs: int, offline: bool = False) -> int:
