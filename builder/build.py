@@ -179,9 +179,22 @@ def _accuracy_variants(graphs: dict, built_level: int) -> dict[int, dict[str, st
 
 
 def _set_accuracy_level(graph: onnx.ModelProto, level: int) -> onnx.ModelProto:
-    """A copy of ``graph`` whose MatMulNBits nodes have ``accuracy_level = level``."""
+    """A copy of ``graph`` whose MatMulNBits nodes have ``accuracy_level = level``; at a level
+    other than 0, ``QuantizedLinear`` nodes (whose kernel computes at float32) are first
+    replaced by their function bodies (MatMulNBits [+ AddBlockOffsets])."""
+    from onnx import inliner
+
+    from .fused_ops import QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OP_TYPE
+    from .paged_attention import DOMAIN
+
     out = onnx.ModelProto()
     out.CopyFrom(graph)
+    ops = [(DOMAIN, QUANTIZED_LINEAR_OP_TYPE), (DOMAIN, QUANTIZED_LINEAR_OFFSETS_OP_TYPE)]
+    if level != 0 and any((n.domain, n.op_type) in ops for n in out.graph.node):
+        out = inliner.inline_selected_functions(out, ops)
+        kept = [f for f in out.functions if (f.domain, f.name) not in ops]
+        del out.functions[:]
+        out.functions.extend(kept)
     for node in out.graph.node:
         if node.op_type == "MatMulNBits":
             for attr in node.attribute:

@@ -30,10 +30,11 @@ from onnx import TensorProto, helper
 
 from .model_config import ModelConfig
 from .onnx_graph import MS_DOMAIN, OPSET, NodeWriter, WeightStore
-from .fused_ops import (OFFSETS_OP_TYPE, ROTARY_OP_TYPE, SILU_OP_TYPE, make_offsets_function, make_rotary_function,
+from .fused_ops import (OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OP_TYPE, ROTARY_OP_TYPE,
+                        SILU_OP_TYPE, make_offsets_function, make_quantized_linear_functions, make_rotary_function,
                         make_silu_function)
 from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function, make_onnx_functions, write_attention_metadata
-from .quantize import QuantizedLinear
+from .quantize import QuantizedLinear, pack_codes
 
 
 GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
@@ -104,6 +105,7 @@ class DecoderGraphWriter:
         self.w = NodeWriter()
         self.used: list[str] = []
         self.metadata: tuple[str, ...] = ()   # attention metadata, written once (runtime KV write)
+        self.quantized_linear_ops = False     # QuantizedLinear nodes written (their functions go with them)
 
     def weight(self, name: str) -> str:
         if name not in self.weights.arrays:
@@ -121,8 +123,10 @@ class DecoderGraphWriter:
 
         A quantized weight becomes ``com.microsoft.MatMulNBits`` (see :mod:`builder.quantize`)
         over ``x`` (``[x, x]`` for a split 8-bit weight), plus ``Gemm(blocksum(x), offsets,
-        C=y)`` when its blocks carry float offsets (Q4_1, split 8-bit): in the ONNX Runtime
-        graphs one ``AddBlockOffsets`` node (:mod:`builder.fused_ops`).
+        C=y)`` when its blocks carry float offsets (Q4_1, split 8-bit). In the ONNX Runtime
+        graphs at accuracy level 0 a 4-bit weight is one ``QuantizedLinear`` (or
+        ``QuantizedLinearWithOffsets``) node instead, whose C++ kernel replaces both
+        (:mod:`builder.fused_ops`); at other levels MatMulNBits + ``AddBlockOffsets``.
         """
         name, q = prefix + ".weight", self.quantized.get(prefix + ".weight")
         if q is None:
@@ -133,6 +137,19 @@ class DecoderGraphWriter:
         bias = self.weight(prefix + ".bias") if self.has(prefix + ".bias") else ""
         zp = self.weight(name + ".zero_points") if q.zero_points is not None else ""
         xin = x if q.repeats == 1 else self.w.op("Concat", *[x] * q.repeats, axis=1)
+        if self.ort_ops and self.accuracy_level == 0 and q.bits == 4:
+            self.quantized_linear_ops = True
+            args = [xin, self.weight(name + ".qweight"), self.weight(name + ".scales"),
+                    zp or self.default_zero_points(q.n, q.num_blocks)]
+            op_type = QUANTIZED_LINEAR_OP_TYPE
+            if q.offsets is not None:
+                op_type = QUANTIZED_LINEAR_OFFSETS_OP_TYPE
+                args += [self.weight(name + ".offsets"),
+                         self.block_sum_matrix(q.num_offset_blocks, q.block_size, q.kernel_k)]
+            attrs = dict(N=q.n, K=q.kernel_k, block_size=q.block_size, domain=DOMAIN)
+            if not bias:
+                return self.w.op(op_type, *args, outputs=outputs, **attrs)
+            return self.w.op("Add", self.w.op(op_type, *args, **attrs), bias, outputs=outputs)
         args = [xin, self.weight(name + ".qweight"), self.weight(name + ".scales"), zp, "", bias]
         while not args[-1]:
             args.pop()
@@ -148,13 +165,26 @@ class DecoderGraphWriter:
         sums = self.w.op("MatMul", x, block_sums)                                           # [T, blocks]
         return self.w.op("Gemm", sums, self.weight(name + ".offsets"), y, transB=1, outputs=outputs)
 
-    def block_sum_matrix(self, num_blocks: int, block_size: int) -> str:
-        """``[num_blocks * block_size, num_blocks]`` float32 of 0/1: ``x @ it`` sums each
-        block of ``x``'s columns (one MatMul where Reshape + ReduceSum were two ops per
-        linear; shared by every linear of that width)."""
-        name = f"block_sum.{num_blocks}x{block_size}"
+    def block_sum_matrix(self, num_blocks: int, block_size: int, rows: int | None = None) -> str:
+        """``[rows, num_blocks]`` float32 of 0/1 (``rows`` defaults to ``num_blocks * block_size``;
+        rows past the blocks are zero): ``x @ it`` sums each of the first ``num_blocks`` blocks
+        of ``x``'s columns (one MatMul where Reshape + ReduceSum were two ops per linear;
+        shared by every linear of that width)."""
+        rows = num_blocks * block_size if rows is None else rows
+        name = f"block_sum.{num_blocks}x{block_size}" + ("" if rows == num_blocks * block_size else f".{rows}")
         if not self.has(name):
-            self.weights.add(name, np.repeat(np.eye(num_blocks, dtype=np.float32), block_size, axis=0))
+            matrix = np.zeros((rows, num_blocks), np.float32)
+            ones = np.repeat(np.eye(num_blocks, dtype=np.float32), block_size, axis=0)[:rows]
+            matrix[:len(ones)] = ones
+            self.weights.add(name, matrix)
+        return self.weight(name)
+
+    def default_zero_points(self, n: int, num_blocks: int) -> str:
+        """MatMulNBits' implicit 4-bit zero points (8) as a tensor ``[n * ceil(num_blocks / 2)]``
+        uint8, for ``QuantizedLinear``'s required input (shared by every weight of that shape)."""
+        name = f"zero_points.4bit_default.{n}x{num_blocks}"
+        if not self.has(name):
+            self.weights.add(name, pack_codes(np.full((n, num_blocks), 8, np.uint8), 4).reshape(-1))
         return self.weight(name)
 
     def norm(self, x: str, prefix: str) -> str:
@@ -315,6 +345,8 @@ class DecoderGraphWriter:
             functions += [make_rotary_function(c.num_heads, c.num_kv_heads, c.head_dim), make_silu_function()]
         if self.ort_ops and any(q.offsets is not None for q in self.quantized.values()):
             functions.append(make_offsets_function())
+        if self.quantized_linear_ops:
+            functions += make_quantized_linear_functions()
         model = helper.make_model(graph, opset_imports=opsets, functions=functions,
                                   producer_name="trtllm-lite")
         model.ir_version = 10

@@ -23,6 +23,17 @@ offsets (GGUF Q4_1's block mins, :mod:`builder.quantize`) added to MatMulNBits' 
     y [T, N], x [T, K], offsets [N, K / block_size], block_sum_matrix [K, K / block_size] (0/1)
       -> y + blocksum(x) @ offsets^T   [T, N] float32   (the matrix is the body's; the kernel
          sums the blocks itself)
+
+``trtllm_lite::QuantizedLinear`` and ``QuantizedLinearWithOffsets`` (attributes ``N``, ``K``,
+``block_size``), a 4-bit block-quantized linear at float32 activations in one node
+(``trtllm_lite/ort_kernels/quantized_linear.cc``; :mod:`builder.quantize` for the tensors)::
+
+    x [T, K] float32, qweight [N, K / bs, bs / 2] uint8, scales [N, K / bs] float32,
+    zero_points [N, ceil(K / bs / 2)] uint8 (4-bit, low nibble first)
+    [, offsets [N, nbo] float32, block_sum_matrix [K, nbo] (0/1, the first nbo blocks of x)]
+      -> x @ dequant(W)^T [+ blocksum(x) @ offsets^T]   [T, N] float32
+
+  Body: ``com.microsoft.MatMulNBits`` (accuracy level 0) [then ``AddBlockOffsets``].
 """
 from __future__ import annotations
 
@@ -32,6 +43,9 @@ from .paged_attention import DOMAIN
 ROTARY_OP_TYPE = "RotarySplitQKV"
 SILU_OP_TYPE = "SiluAndMul"
 OFFSETS_OP_TYPE = "AddBlockOffsets"
+QUANTIZED_LINEAR_OP_TYPE = "QuantizedLinear"
+QUANTIZED_LINEAR_OFFSETS_OP_TYPE = "QuantizedLinearWithOffsets"
+QUANTIZED_LINEAR_ATTRIBUTES = ("N", "K", "block_size")
 
 
 def make_rotary_function(num_heads: int, num_kv_heads: int, head_dim: int, opset: int | None = None):
@@ -82,3 +96,32 @@ def make_offsets_function(opset: int | None = None):
     w.op("Gemm", sums, "offsets", "y", transB=1, outputs=["output"])
     return helper.make_function(DOMAIN, OFFSETS_OP_TYPE, ["y", "x", "offsets", "block_sum_matrix"], ["output"],
                                 w.nodes, [helper.make_opsetid("", opset or OPSET)], attributes=["block_size"])
+
+
+def make_quantized_linear_functions(opset: int | None = None) -> list:
+    """``QuantizedLinear``'s and ``QuantizedLinearWithOffsets``' bodies: MatMulNBits at
+    accuracy level 0 over the node's attributes (attribute references), then, with offsets,
+    ``AddBlockOffsets`` (a function itself: its kernel or its body)."""
+    from onnx import AttributeProto, helper
+
+    from .onnx_graph import OPSET
+
+    def matmul_nbits(output: str):
+        node = helper.make_node("MatMulNBits", ["x", "qweight", "scales", "zero_points"], [output],
+                                name="ql_matmul_nbits", domain=MS_DOMAIN, bits=4, accuracy_level=0)
+        node.attribute.extend(helper.make_attribute_ref(a, AttributeProto.INT) for a in QUANTIZED_LINEAR_ATTRIBUTES)
+        return node
+
+    opsets = [helper.make_opsetid("", opset or OPSET), helper.make_opsetid(MS_DOMAIN, 1),
+              helper.make_opsetid(DOMAIN, 1)]
+    plain = helper.make_function(DOMAIN, QUANTIZED_LINEAR_OP_TYPE, ["x", "qweight", "scales", "zero_points"],
+                                 ["output"], [matmul_nbits("output")], opsets,
+                                 attributes=list(QUANTIZED_LINEAR_ATTRIBUTES))
+    offsets = helper.make_node(OFFSETS_OP_TYPE, ["y", "x", "offsets", "block_sum_matrix"], ["output"],
+                               name="ql_add_block_offsets", domain=DOMAIN)
+    offsets.attribute.append(helper.make_attribute_ref("block_size", AttributeProto.INT))
+    with_offsets = helper.make_function(
+        DOMAIN, QUANTIZED_LINEAR_OFFSETS_OP_TYPE,
+        ["x", "qweight", "scales", "zero_points", "offsets", "block_sum_matrix"], ["output"],
+        [matmul_nbits("y"), offsets], opsets, attributes=list(QUANTIZED_LINEAR_ATTRIBUTES))
+    return [plain, with_offsets]

@@ -1,5 +1,9 @@
 """Weight-only quantization: exact GGUF block mapping, the MatMulNBits layout ONNX Runtime
 reads, and quantized engines against float references (the fp32 engine, HF transformers)."""
+import json
+import os
+import tempfile
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -58,15 +62,22 @@ def test_block_quantization_error_within_one_step(bits, symmetric):
     assert (err <= step * (1.0 if symmetric else 0.5) + 1e-6).all()   # symmetric: +2^(b-1) clips
 
 
-def run_linear(q, x, accuracy_level=0):
+def run_linear(q, x, accuracy_level=0, library=False):
     """Run the exporter's own ``linear`` for ``q`` through ONNX Runtime (prepacking on, as
-    the runner sets it for quantized engines)."""
+    the runner sets it for quantized engines). ``library`` other than False: the ONNX Runtime
+    graphs' form (``ort_ops``), a 4-bit weight as one ``QuantizedLinear`` node, with the
+    kernel library at that path registered (``None``: its function body runs); returns the
+    output and the op types that ran."""
+    from builder.fused_ops import make_offsets_function, make_quantized_linear_functions
+    from builder.paged_attention import DOMAIN
+
+    ort_ops = library is not False
     config = ModelConfig("LlamaForCausalLM", "llama", 1, q.k, 1, 1, q.k, 1, 1, 1)
     store = WeightStore()
     for part in ("qweight", "scales", "zero_points", "offsets"):
         if getattr(q, part) is not None:
             store.add(f"x.weight.{part}", getattr(q, part))
-    writer = DecoderGraphWriter(config, store, 1, "decode", {"x.weight": q}, accuracy_level)
+    writer = DecoderGraphWriter(config, store, 1, "decode", {"x.weight": q}, accuracy_level, ort_ops=ort_ops)
     writer.linear("a", "x", outputs=["y"])
     inits = [helper.make_tensor(n, {np.uint8: TensorProto.UINT8, np.float32: TensorProto.FLOAT}[
         store.arrays[n].dtype.type], store.arrays[n].shape, store.arrays[n].tobytes(), raw=True)
@@ -75,34 +86,99 @@ def run_linear(q, x, accuracy_level=0):
                               [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["T", q.k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", q.n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid("com.microsoft", 1)])
+                                                    helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid(DOMAIN, 1)],
+                              functions=make_quantized_linear_functions() + [make_offsets_function()])
     so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
+    so.intra_op_num_threads = 1 if not ort_ops else 2
+    if ort_ops:
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "trtllm_lite_test_profile")
+        if library:
+            so.register_custom_ops_library(library)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(None, {"a": x})[0]
+    if not ort_ops:
+        return sess.run(None, {"a": x})[0]
+    y = [sess.run(None, {"a": x})[0] for _ in range(2)]   # the kernel repacks once, on the first call
+    np.testing.assert_array_equal(y[0], y[1])
+    path = sess.end_profiling()
+    with open(path) as f:
+        ran = {e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node"}
+    os.remove(path)
+    return y[0], ran
 
 
 CASES = [("gguf", "Q4_0"), ("gguf", "Q4_1"), ("gguf", "Q8_0"), ("split", "Q8_0"), ("split", 8, 64, False),
          (4, 16, True), (4, 32, False), (4, 64, True), (4, 128, False), (8, 32, True), (8, 64, False)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_matmul_nbits_computes_the_dequantized_weight(case):
-    """ONNX Runtime's kernel reads our packing as we mean it: y == x @ dequant(W)^T."""
+def case_weight(case, n=48):
     if case[0] in ("gguf", "split") and isinstance(case[1], str):
-        q = from_gguf(case[1], gguf_block(case[1], random_weight(k=128))[0], 128)
+        q = from_gguf(case[1], gguf_block(case[1], random_weight(n, k=128))[0], 128)
     elif case[0] == "split":
-        q = quantize_weight(random_weight(k=128), *case[1:])
+        q = quantize_weight(random_weight(n, k=128), *case[1:])
     else:
-        q = quantize_weight(random_weight(k=100), case[0], case[1], case[2])
+        q = quantize_weight(random_weight(n, k=100), case[0], case[1], case[2])
     if case[0] == "split":
         split = split_8bit(q)
         assert (split.bits, split.repeats, split.kernel_k) == (4, 2, 2 * q.k)
         np.testing.assert_allclose(split.dequantize(), q.dequantize(), rtol=1e-6, atol=1e-6)
         q = split
+    return q
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_matmul_nbits_computes_the_dequantized_weight(case):
+    """ONNX Runtime's kernel reads our packing as we mean it: y == x @ dequant(W)^T."""
+    q = case_weight(case)
     x = np.random.default_rng(3).standard_normal((5, q.k)).astype(np.float32)
     expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
     np.testing.assert_allclose(run_linear(q, x), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != 8 and c != ("gguf", "Q8_0")], ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, case, rows):
+    """The ONNX Runtime graphs' 4-bit linear, one ``QuantizedLinear`` node: its C++ kernel
+    (both builds: batch-1 and tiled paths, 16-row groups with a partial last one where N is
+    37, K padded to whole blocks where it is 100) and its function body (MatMulNBits +
+    AddBlockOffsets) against x @ dequant(W)^T in float64."""
+    q = case_weight(case, n=37)
+    x = np.random.default_rng(rows).standard_normal((rows, q.k)).astype(np.float32)
+    expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    got, ran = run_linear(q, x, library=op_library)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    op = "QuantizedLinearWithOffsets" if q.offsets is not None else "QuantizedLinear"
+    assert (op in ran) is (op_library is not None)
+    assert ("MatMulNBits" in ran) is (op_library is None)
+
+
+def test_quantized_linear_rejects_mismatched_shapes(kernel_library):
+    """A node whose tensors do not fit its attributes fails with the shapes named."""
+    from builder.fused_ops import QUANTIZED_LINEAR_OP_TYPE, make_quantized_linear_functions
+    from builder.paged_attention import DOMAIN
+
+    q = quantize_weight(random_weight(37, k=64), 4, 32, True)
+    node = helper.make_node(QUANTIZED_LINEAR_OP_TYPE, ["x", "qweight", "scales", "zero_points"], ["y"],
+                            domain=DOMAIN, N=37, K=64, block_size=32)
+    types = {"x": TensorProto.FLOAT, "qweight": TensorProto.UINT8, "scales": TensorProto.FLOAT,
+             "zero_points": TensorProto.UINT8}
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in types.items()],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, functions=make_quantized_linear_functions(),
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1),
+                                             helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(kernel_library)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feed = {"x": np.ones((2, 64), np.float32), "qweight": q.qweight.reshape(37, 2, 16), "scales": q.scales,
+            "zero_points": np.full(37, 0x88, np.uint8)}
+    expected = feed["x"] @ q.dequantize().T
+    np.testing.assert_allclose(sess.run(None, feed)[0], expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match=r"QuantizedLinear \(N 37, K 64, block_size 32\): x \[2, 48\]"):
+        sess.run(None, dict(feed, x=np.ones((2, 48), np.float32)))
+    with pytest.raises(Exception, match=r"zero_points \[36\]"):
+        sess.run(None, dict(feed, zero_points=np.full(36, 0x88, np.uint8)))
 
 
 def test_build_options_are_validated():
@@ -211,5 +287,16 @@ def test_accuracy_level_picks_a_built_variant(smollm2_int4_engine, smollm2_engin
 
     assert graph_files(load_engine_dir(smollm2_int4_engine, verify_checksums=False), 4) == {
         "prefill": "prefill.acc4.onnx", "decode": "decode.acc4.onnx"}
+    # level 0: one QuantizedLinear node per linear (its kernel computes at float32); the level-4
+    # variant has MatMulNBits (int8 activations) + AddBlockOffsets in their place
+    import collections
+
+    import onnx
+    for file, want in (("prefill.onnx", {"QuantizedLinearWithOffsets": 121}),
+                       ("prefill.acc4.onnx", {"MatMulNBits": 121, "AddBlockOffsets": 121})):
+        graph = onnx.load(os.path.join(smollm2_int4_engine, file), load_external_data=False).graph
+        ops = collections.Counter(n.op_type for n in graph.node)
+        assert {op: ops[op] for op in ("QuantizedLinearWithOffsets", "MatMulNBits", "AddBlockOffsets")} == \
+            {"QuantizedLinearWithOffsets": 0, "MatMulNBits": 0, "AddBlockOffsets": 0, **want}
     with pytest.raises(ValueError, match="accuracy_level 4.*not quantized"):
         graph_files(load_engine_dir(smollm2_engine, verify_checksums=False), 4)

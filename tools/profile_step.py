@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--top", type=int, default=15, help="operator types shown")
+    p.add_argument("--nodes", type=int, default=0, help="also show this many slowest nodes")
     args = p.parse_args(argv)
 
     import trtllm_lite.runners.onnxruntime_runner as ort_runner
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     runs = [r for r, is_decode in zip(runs, decode_runs) if is_decode][1:]     # drop the first
     nodes = sorted((e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")),
                    key=lambda e: e["ts"])
-    per_op, j = collections.Counter(), 0
+    per_op, per_node, j = collections.Counter(), collections.Counter(), 0
     for r in runs:
         start, end = r["ts"], r["ts"] + r["dur"]
         while j < len(nodes) and nodes[j]["ts"] < start:
@@ -77,6 +78,7 @@ def main(argv=None) -> int:
             op = nodes[k]["args"]["op_name"]
             if op not in CONTAINERS:
                 per_op[op] += nodes[k]["dur"]
+                per_node[nodes[k]["name"].removesuffix("_kernel_time")] += nodes[k]["dur"]
             k += 1
     if not runs:
         print("no decode steps profiled")
@@ -87,6 +89,10 @@ def main(argv=None) -> int:
           f"{steps[len(steps) // 2] / 1e3:.2f} ms (profiled), kernels {total / 1e3:.2f} ms/step")
     for op, us in per_op.most_common(args.top):
         print(f"  {op:30s} {us / len(runs) / 1e3:8.2f} ms/step  {us / len(runs) / total:6.1%}")
+    if args.nodes:
+        print("slowest nodes:")
+        for name, us in per_node.most_common(args.nodes):
+            print(f"  {name:50s} {us / len(runs):8.1f} us/step")
     return 0
 
 

@@ -35,8 +35,8 @@ import warnings
 from pathlib import Path
 
 LIBRARY_NAME = "libtrtllm_lite_ort_kernels.so"
-SOURCES = ("register.cc", "paged_decode_attention.cc", "elementwise.cc", "block_offsets.cc", "kernel_common.h",
-           "ort_abi.h")
+SOURCES = ("register.cc", "paged_decode_attention.cc", "elementwise.cc", "block_offsets.cc", "quantized_linear.cc",
+           "kernel_common.h", "ort_abi.h")
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
              "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-maybe-uninitialized")
 MIN_ORT_API_VERSION = 17        # KernelContext_ParallelFor (ONNX Runtime 1.17)

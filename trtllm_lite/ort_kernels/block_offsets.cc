@@ -6,8 +6,9 @@
 // contribute sum_b offset[n, b] * (sum of x over block b):
 //
 //   inputs   y [M, N] float32 (MatMulNBits' output), x [M, K] float32 (its input),
-//            offsets [N, K / block_size] float32, block_sum_matrix [K, K / block_size] (0/1;
-//            read only by the ONNX function body, builder/fused_ops.py)
+//            offsets [N, nb] float32 for x's first nb blocks (nb * block_size <= K: the split
+//            8-bit form's x is [x, x]), block_sum_matrix [K, nb] (0/1; read only by the ONNX
+//            function body, builder/fused_ops.py)
 //   attr     block_size (int)
 //   output   y + blocksum(x) @ offsets^T   [M, N] float32
 //
@@ -112,10 +113,10 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(read_input(context, 1, &x));
   RETURN_IF_ERROR(read_input(context, 2, &offsets));
   if (y.dims.size() != 2 || x.dims.size() != 2 || offsets.dims.size() != 2 || y.dims[0] != x.dims[0] ||
-      offsets.dims[0] != y.dims[1] || block_size <= 0 || x.dims[1] != offsets.dims[1] * block_size)
+      offsets.dims[0] != y.dims[1] || block_size <= 0 || x.dims[1] < offsets.dims[1] * block_size)
     return error(ORT_INVALID_ARGUMENT, "AddBlockOffsets: y " + dims_string(y.dims) + ", x " + dims_string(x.dims) +
                                            " and offsets " + dims_string(offsets.dims) +
-                                           " are not [M, N], [M, nb * " + std::to_string(block_size) + "], [N, nb]");
+                                           " are not [M, N], [M, >= nb * " + std::to_string(block_size) + "], [N, nb]");
   Step st{};
   st.rows = y.dims[0];
   st.n = y.dims[1];

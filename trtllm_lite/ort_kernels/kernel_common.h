@@ -184,5 +184,7 @@ const OrtCustomOp* paged_decode_attention_op();
 const OrtCustomOp* rotary_split_qkv_op();
 const OrtCustomOp* silu_and_mul_op();
 const OrtCustomOp* add_block_offsets_op();
+const OrtCustomOp* quantized_linear_op();
+const OrtCustomOp* quantized_linear_with_offsets_op();
 
 }  // namespace trtllm_lite_kernels
