@@ -76,7 +76,7 @@ class OrtOptions:
             (lower latency on idle cores; wasted cycles when the cores are shared).
         custom_kernels: register trtllm-lite's C++ kernels (:mod:`trtllm_lite.ort_kernels`,
             compiled on first use) so the graphs' ``PagedDecodeAttention``, ``RotarySplitQKV``,
-            ``SiluAndMul`` and ``AddBlockOffsets`` nodes run them instead of their ONNX
+            ``SiluAndMul``, ``AddBlockOffsets`` and ``QuantizedLinear`` nodes run them instead of their ONNX
             function bodies (same results within float32 rounding); without a C++ compiler
             the bodies run, with a warning.
 
