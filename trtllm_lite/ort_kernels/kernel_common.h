@@ -2,6 +2,8 @@
 // and a vectorizable exp.
 #pragma once
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -162,17 +164,30 @@ inline OrtStatus* new_output(OrtKernelContext* context, size_t index, const std:
   return data_of(value, data);
 }
 
+// The cores this process may run on (ONNX Runtime's default intra-op thread count).
+inline size_t available_cores() {
+  static const size_t cores = [] {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int n = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 0;
+    return static_cast<size_t>(std::max(1, n));
+  }();
+  return cores;
+}
+
 // fn(user, i) for i in [0, total) on ONNX Runtime's intra-op threads; in the calling thread
 // when there is one item or the caller says the work is too small to hand out (waking the
-// pool's threads costs microseconds: most of a batch-1 call's work).
+// pool's threads costs microseconds: most of a batch-1 call's work). num_batches 0 lets ONNX
+// Runtime choose (a task per item: for many small, even items, pass available_cores(), one
+// contiguous range per core: SmolLM2 int4's 120 linears at batch 1 went 2.3 -> 1.8 ms).
 inline OrtStatus* parallel_for(OrtKernelContext* context, void (*fn)(void*, size_t), size_t total, void* user,
-                               bool serial = false) {
+                               bool serial = false, size_t num_batches = 0) {
   if (serial || total <= 1) {
     for (size_t i = 0; i < total; ++i) fn(user, i);
     return nullptr;
   }
   return slot<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      g_api, kKernelContextParallelFor)(context, fn, total, 0, user);
+      g_api, kKernelContextParallelFor)(context, fn, total, num_batches, user);
 }
 
 // Below this many multiply-adds a call runs in one thread (measured: a 3072 x 18 offset

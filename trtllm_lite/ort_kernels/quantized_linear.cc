@@ -378,7 +378,9 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   const int64_t items = row_items * packed.groups;
   // one thread below ~64 KiB of weights at batch 1 (waking the pool costs more than it saves)
   const bool serial = st.rows * packed.groups * packed.nb * packed.block_bytes() < (64 << 10);
-  return parallel_for(context, run_item, static_cast<size_t>(items), &st, serial);
+  // even items: one contiguous range of groups per core
+  return parallel_for(context, run_item, static_cast<size_t>(items), &st, serial,
+                      std::min(static_cast<size_t>(items), available_cores()));
 }
 
 template <bool WITH_OFFSETS>
