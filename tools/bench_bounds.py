@@ -83,23 +83,37 @@ def ort_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: int = 
     return 2 * n ** 3 / best
 
 
-def decode_bytes_per_step(manifest: dict) -> int:
+def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
     """Bytes of weights one decode step reads, from an engine manifest's weight table.
 
     Every per-layer tensor, the final norm and the lm_head (the tied embedding when it is the
     lm_head and stays float; its quantized form when quantized). The embedding Gather reads a
     few rows and the rotary tables one row per token: both left out, like the KV cache.
+
+    ``streamed``: for an engine built at accuracy level 0, whose 4-bit weights the
+    ``QuantizedLinear`` kernel reads in its own layout, count that layout (per 16 rows and
+    block: the codes, then 16 scales and 16 offsets, float16 for GGUF weights, float32
+    otherwise: ``trtllm_lite/ort_kernels/quantized_linear.cc``), not the engine's tensors
+    (float32 scales and offsets, zero points). Otherwise the engine's tensors.
     """
     tensors = manifest["weights"]["tensors"]
     tied = manifest["model"]["tie_word_embeddings"]
     head = "embed.weight" if tied else "lm_head.weight"
     quantized_head = any(n.startswith(head + ".") for n in tensors)
+    sources = manifest.get("quantization", {}).get("weights", {})
+    kernel_layout = streamed and bool(sources) and manifest["build"].get("accuracy_level") == 0
     total = 0
     for name, t in tensors.items():
-        if name.startswith(("layers.", "final_norm")):
-            total += t["nbytes"]
-        elif name.startswith(head + ".") or (name == head and not quantized_head):
-            total += t["nbytes"]
+        if not (name.startswith(("layers.", "final_norm", head + ".")) or (name == head and not quantized_head)):
+            continue
+        weight, _, part = name.rpartition(".")
+        if kernel_layout and weight in sources:
+            if part == "qweight":
+                n, nb, code_bytes = t["shape"]
+                scale_bytes = 2 if sources[weight].startswith("gguf:") else 4
+                total += -(-n // 16) * 16 * nb * (code_bytes + 2 * scale_bytes)
+            continue
+        total += t["nbytes"]
     return total
 
 

@@ -26,7 +26,8 @@ class Report:
         self.r, self.bounds, self.spec, self.notes = results, bounds, spec, notes
         self.load0, self.load1, self.machine = load0, load1, machine
         self.bytes = {k: bench_bounds.decode_bytes_per_step(m) for k, m in manifests.items()}
-        self.bytes["ours-int4-acc4"] = self.bytes.get("ours-int4")
+        if "ours-int4" in manifests:   # MatMulNBits (prepacked) reads the engine's own tensors
+            self.bytes["ours-int4-acc4"] = bench_bounds.decode_bytes_per_step(manifests["ours-int4"], streamed=False)
         self.flops = bench_bounds.flops_per_token(manifests["ours-fp32"])
         self.tokenizer = None
 
@@ -130,9 +131,11 @@ class Report:
               f"{b['gemm_rate_numpy'] / 1e9:.0f} / {b['gemm_rate_ort'] / 1e9:.0f} GFLOP/s |",
               f"| FLOPs per token (2 x parameters) | {self.flops / 1e9:.3f} GFLOP |",
               f"| compute bound, batched decode | {self.bound_compute:,.0f} tokens/s |"]
-        for k in ("ours-fp32", "ours-int4"):
-            if k in self.bytes:
-                L.append(f"| {NAMES[k]}: weight bytes per decode step / bandwidth bound | "
+        for k in ("ours-fp32", "ours-int4", "ours-int4-acc4"):
+            if self.bytes.get(k):
+                what = {"ours-int4": " (as the QuantizedLinear kernel streams them)",
+                        "ours-int4-acc4": " (the engine's MatMulNBits tensors)"}.get(k, "")
+                L.append(f"| {NAMES[k]}: weight bytes per decode step{what} / bandwidth bound | "
                          f"{self.bytes[k] / 1e6:.0f} MB / {self.bound_bw(k):.0f} tokens/s |")
         L += ["", "### Batch 1 (latency)", "",
               "| system | decode tokens/s | % of bound | TTFT 128 / 512 / 2048 (ms) | peak RSS (MB) | greedy = our fp32 | chat answer |",
