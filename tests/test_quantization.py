@@ -153,6 +153,20 @@ def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, cas
     assert ("MatMulNBits" in ran) is (op_library is None)
 
 
+@pytest.mark.parametrize("case", [(4, 128, False), ("split", 8, 128, False)], ids=["int4-asym", "split8"])
+def test_quantized_linear_keeps_float32_accuracy_on_offset_inputs(op_library, case):
+    """x with a large common part (mean 50): the batch-1 path centers x per block, so the
+    block offsets' term does not cancel against the codes' (uncentered, 2e-5 to 7e-5 off)."""
+    if case[0] == "split":
+        q = split_8bit(quantize_weight(random_weight(40, k=4096), *case[1:]))
+    else:
+        q = quantize_weight(random_weight(40, k=4096), *case)
+    x = (50 + np.random.default_rng(1).standard_normal((1, q.k))).astype(np.float32)
+    expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    got, _ = run_linear(q, x, library=op_library)
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-6
+
+
 def test_quantized_linear_rejects_mismatched_shapes(kernel_library):
     """A node whose tensors do not fit its attributes fails with the shapes named."""
     from builder.fused_ops import QUANTIZED_LINEAR_OP_TYPE, make_quantized_linear_functions
@@ -255,6 +269,15 @@ def test_smollm2_int4_maps_every_q4_1_block(smollm2_int4_engine):
     assert set(weights.values()) == {"gguf:Q4_1"}
     assert len(weights) == 120   # 210 Q4_1 tensors, q/k/v and gate/up fused
     assert m["build"]["quantization"] == "int4" and m["build"]["accuracy_level"] == 0
+    import contextlib
+    import io
+
+    from trtllm_lite.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["info", "--engine", smollm2_int4_engine]) == 0
+    assert ("quantized   int4 (block 32, from gguf:Q4_1, gguf:Q8_0+split), lm_head quantized, "
+            "accuracy levels 0, 4 (built 0)") in out.getvalue()
     linear_bytes = sum(t["nbytes"] for n, t in m["weights"]["tensors"].items() if n.startswith("layers."))
     assert linear_bytes < 0.22 * 4 * 106e6          # ~6.6 bits per weight (codes, d, m, zero points)
 

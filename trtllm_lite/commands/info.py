@@ -28,6 +28,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"build       dtype {build['dtype']}, block_size {build['block_size']}, max_num_seqs "
           f"{build['max_num_seqs']}, max_num_batched_tokens {build['max_num_batched_tokens']}, "
           f"max_seq_len {build['max_seq_len']}")
+    quantization = build.get("quantization", "none")
+    if quantization != "none":
+        sources = sorted(set(m.get("quantization", {}).get("weights", {}).values()))
+        levels = sorted({str(build.get("accuracy_level"))} | set(m.get("graph_variants", {}).get("accuracy_level", {})))
+        print(f"quantized   {quantization} (block {build.get('quant_block_size')}, from {', '.join(sources)}), "
+              f"lm_head {'quantized' if build.get('quantize_lm_head') else 'float'}, accuracy levels "
+              f"{', '.join(levels)} (built {build.get('accuracy_level')})")
     print(f"weights     {weights / 2**20:.1f} MiB in {m['weights']['file']}")
     print(f"graphs      {', '.join(m['graphs'])}; tokenizer {', '.join(m['tokenizer']['files']) or 'none'}")
     print(f"built with  {', '.join(f'{k} {v}' for k, v in m['versions'].items())}")
