@@ -215,5 +215,6 @@ def _compile_check(output: str) -> None:
 
     llm = LLM(output, num_kv_blocks=16, verify_checksums=False)
     greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    llm.generate([[1, 2, 3]], greedy)
-    llm.generate([[1, 2], [3, 4, 5, 6, 7]], greedy)
+    vocab = llm.engine.model_config["vocab_size"]    # ids kept inside a tiny test vocabulary
+    llm.generate([[t % vocab for t in (1, 2, 3)]], greedy)
+    llm.generate([[t % vocab for t in ids] for ids in ((1, 2), (3, 4, 5, 6, 7))], greedy)

@@ -245,7 +245,8 @@ def test_tiny_quantized_engine_matches_hf_on_dequantized_weights(tiny_model, tmp
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for p, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = reference.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+            ref = reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                     max_new_tokens=8, do_sample=False,
                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == ref
 

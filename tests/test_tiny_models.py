@@ -54,7 +54,8 @@ def test_greedy_ids_match_hf_generate(tiny_model, kind):
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=12, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == ref
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
@@ -69,7 +70,8 @@ def test_lone_prompt_in_chunks_matches_hf(tiny_model, kind):
     prompt = np.random.default_rng(3).integers(0, 256, 41).tolist()
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=8, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert out.outputs[0].token_ids == ref
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
