@@ -107,8 +107,9 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
         if not (name.startswith(("layers.", "final_norm", head + ".")) or (name == head and not quantized_head)):
             continue
         weight, _, part = name.rpartition(".")
-        if kernel_layout and weight in sources:
-            if part == "qweight":
+        if kernel_layout and weight in sources and 2 * tensors[weight + ".qweight"]["shape"][-1] == (
+                32 if sources[weight].startswith("gguf:") else manifest["build"]["quant_block_size"]):
+            if part == "qweight":   # 4-bit codes: a QuantizedLinear node (8-bit ones stay MatMulNBits)
                 n, nb, code_bytes = t["shape"]
                 scale_bytes = 2 if sources[weight].startswith("gguf:") else 4
                 total += -(-n // 16) * 16 * nb * (code_bytes + 2 * scale_bytes)
