@@ -72,8 +72,8 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
-// float -> float16 bits, and whether that is exact (round to nearest even; no NaN handling
-// needed: a non-exact value keeps float32 storage)
+// float -> float16 bits when the value is exact in float16 (true), else false: no rounding
+// (a tensor with any inexact value keeps float32 storage); NaN and infinities are not exact.
 bool float_to_half_exact(float f, uint16_t* out) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
@@ -100,8 +100,9 @@ bool float_to_half_exact(float f, uint16_t* out) {
 
 struct Step {
   const Packed* w;
-  const float* x;      // [M, nb * block_size]: x' (padded / repeated as needed)
-  const float* means;  // M = 1: [nb] block means of x, which x holds centered (gemv_group)
+  const float* x;      // [M, ldx >= nb * block_size]: x, zero-padded to whole blocks if needed
+  const float* means;  // M = 1 (AVX-512 build): [nb] block means of x, which x then holds
+                       // centered per block (gemv_group)
   float* y;            // [M, N]
   int64_t rows, ldx;
 };
