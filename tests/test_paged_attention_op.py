@@ -140,6 +140,13 @@ DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
     (16, 2, 128, 16, [300, 17, 0], [1, 1, 1]),
     (8, 1, 64, 32, [1000], [1]),
     (12, 4, 12, 4, [23, 8, 1], [1, 1, 1]),
+    # fewer sequences with 8+ blocks of context: chunks of the context over all KV heads,
+    # merged (SmolLM2's heads; a short sequence beside a long one; a context that ends on a
+    # chunk boundary; one just below the threshold)
+    (9, 3, 64, 16, [700], [1]),
+    (9, 3, 64, 16, [530, 5, 64], [1, 1, 1]),
+    (9, 3, 64, 16, [256, 255], [1, 1]),
+    (9, 3, 64, 16, [127], [1]),
     # 8 sequences or more: a work item per sequence (all KV heads) instead of per head
     (9, 3, 64, 16, [200, 0, 17, 64, 3, 150, 90, 33, 1, 400, 16, 77], [1] * 12),
     (6, 2, 20, 4, [1, 30, 4, 64, 13, 0, 7, 22, 9], [1] * 9),

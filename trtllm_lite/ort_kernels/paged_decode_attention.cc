@@ -1,8 +1,8 @@
 // trtllm_lite::PagedDecodeAttention for ONNX Runtime's CPU execution provider.
 //
 // The PagedAttention op's decode step (every sequence computes one token), read straight from
-// the paged KV pool: for each sequence (or, with few sequences, each (sequence, KV head) pair,
-// so every thread has work) the kernel walks the sequence's blocks through its block table
+// the paged KV pool: for each sequence (or, with few sequences, each chunk of a sequence's
+// context, or each (sequence, KV head) pair, so every thread has work) the kernel walks the sequence's blocks through its block table
 // twice (scores, then the weighted sum of values), fetching the next block ahead (blocks lie
 // anywhere in the pool, where the hardware prefetcher cannot follow), with no gathered copy,
 // no padding to the step's longest context and no mask. The ONNX function body it replaces
@@ -34,6 +34,7 @@ namespace {
 
 constexpr size_t kNumInputs = 16;
 constexpr int64_t kMinSequencesPerItemSplit = 8;
+constexpr int64_t kMinChunkBlocks = 4;   // context blocks per chunk at least (few sequences)
 constexpr ONNXTensorElementDataType kInputTypes[kNumInputs] = {
     kF32, kF32, kF32, kF32, kF32, kI64, kI64,            // the op's own inputs
     kI64, kF32, kI64, kI64, kI64, kI64, kF32, kF32, kBool  // the function body's metadata
@@ -45,22 +46,30 @@ struct DecodeStep {
   float* output;
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t heads_per_item;   // KV heads one work item takes: all of them, or 1 when few sequences
+  // Few sequences (AVX-512 path): each sequence's context in chunks of chunk_blocks blocks, a
+  // work item per (sequence, chunk) over all KV heads; the items leave partial softmax results
+  // (row max, sum of exponentials, unnormalized output) that merge_chunks combines
+  // (flash-decoding's split-KV: Dao et al. 2023, "Flash-Decoding for long-context inference").
+  int64_t chunks_per_seq = 1, chunk_blocks = 0;
+  float* partial = nullptr;   // [S * chunks_per_seq, H, D + 2]: D sums, then max, sum
   float scale;
 };
 
-// The pool rows of sequence s from KV head h on, block by block: fn(row pointer, first
-// position, rows) for each of the sequence's context blocks, the next block prefetched.
+// The pool rows of sequence s from KV head h on, block by block, for cached positions
+// [begin, end) (begin a multiple of the block size): fn(row pointer, first position, rows) for
+// each block, the next block prefetched.
 template <typename Fn>
-inline void for_each_block(const DecodeStep& st, int64_t s, int64_t h, const float* pool, int64_t ctx, Fn fn) {
+inline void for_each_block(const DecodeStep& st, int64_t s, int64_t h, const float* pool, int64_t begin,
+                           int64_t end, Fn fn) {
   const int64_t bs = st.block_size, hkv = st.num_kv_heads, d = st.head_dim;
   const int64_t* table = st.block_tables + s * st.max_blocks;
   const int64_t block_floats = bs * hkv * d;
-  for (int64_t start = 0; start < ctx; start += bs) {
-    if (start + bs < ctx) {   // blocks lie anywhere in the pool: fetch the next one ahead
+  for (int64_t start = begin; start < end; start += bs) {
+    if (start + bs < end) {   // blocks lie anywhere in the pool: fetch the next one ahead
       const char* next = reinterpret_cast<const char*>(pool + table[start / bs + 1] * block_floats);
       for (int64_t line = 0; line < block_floats * 4; line += 64) __builtin_prefetch(next + line);
     }
-    fn(pool + table[start / bs] * block_floats + h * d, start, std::min(bs, ctx - start));
+    fn(pool + table[start / bs] * block_floats + h * d, start, std::min(bs, end - start));
   }
 }
 
@@ -78,7 +87,7 @@ void attend_portable(const DecodeStep& st, int64_t s, int64_t h, float* scores, 
       scores[g * n + pos] = dot * st.scale;
     }
   };
-  for_each_block(st, s, h, st.key_cache, ctx, [&](const float* k, int64_t first, int64_t rows) {
+  for_each_block(st, s, h, st.key_cache, 0, ctx, [&](const float* k, int64_t first, int64_t rows) {
     for (int64_t j = 0; j < rows; ++j) score_row(k + j * stride, first + j);
   });
   score_row(st.key + (s * hkv + h) * d, ctx);
@@ -105,7 +114,7 @@ void attend_portable(const DecodeStep& st, int64_t s, int64_t h, float* scores, 
       for (int64_t i = 0; i < d; ++i) a[i] += p * v[i];
     }
   };
-  for_each_block(st, s, h, st.value_cache, ctx, [&](const float* v, int64_t first, int64_t rows) {
+  for_each_block(st, s, h, st.value_cache, 0, ctx, [&](const float* v, int64_t first, int64_t rows) {
     for (int64_t j = 0; j < rows; ++j) add_row(v + j * stride, first + j);
   });
   add_row(st.value + (s * hkv + h) * d, ctx);
@@ -115,11 +124,23 @@ void attend_portable(const DecodeStep& st, int64_t s, int64_t h, float* scores, 
 #ifdef __AVX512F__
 // AVX-512 version for head_dim = 16 * NC: KV heads [h0, h0 + nh) of sequence s, each pool row
 // read once for all of them (one contiguous nh * D stretch) and held in NC registers per head.
+// Cached positions [begin, end), plus the new token when with_new (the last chunk). partial:
+// null to write the normalized output, else [rows, D + 2] for merge_chunks (all KV heads).
 template <int NC>
-void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, float* scores, float* acc) {
+void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_t begin, int64_t end,
+                   bool with_new, float* scores, float* acc, float* partial) {
   constexpr int64_t d = 16 * NC;
   const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, rows = nh * group;
-  const int64_t ctx = st.context_lens[s], n = ctx + 1, stride = hkv * d;
+  const int64_t ctx = st.context_lens[s], stride = hkv * d;
+  const int64_t n = end - begin + (with_new ? 1 : 0);
+  if (n == 0) {   // an empty chunk (a shorter sequence's): nothing to merge
+    for (int64_t g = 0; g < rows; ++g) {
+      std::fill(partial + g * (d + 2), partial + g * (d + 2) + d, 0.0f);
+      partial[g * (d + 2) + d] = -INFINITY;
+      partial[g * (d + 2) + d + 1] = 0.0f;
+    }
+    return;
+  }
   const float* q = st.query + (s * st.num_heads + h0 * group) * d;   // [rows, D]
   float* q_scaled = acc;                        // [rows, D] scratch, reused for the sums below
   for (int64_t i = 0; i < rows * d; ++i) q_scaled[i] = q[i] * st.scale;
@@ -132,17 +153,18 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, floa
         const float* qg = q_scaled + g * d;
         __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), kr[0]);
         for (int c = 1; c < NC; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kr[c], dot);
-        scores[g * n + pos] = _mm512_reduce_add_ps(dot);
+        scores[g * n + pos - begin] = _mm512_reduce_add_ps(dot);
       }
     }
   };
-  for_each_block(st, s, h0, st.key_cache, ctx, [&](const float* k, int64_t first, int64_t len) {
+  for_each_block(st, s, h0, st.key_cache, begin, end, [&](const float* k, int64_t first, int64_t len) {
     for (int64_t j = 0; j < len; ++j) score_row(k + j * stride, first + j);
   });
-  score_row(st.key + (s * hkv + h0) * d, ctx);
+  if (with_new) score_row(st.key + (s * hkv + h0) * d, ctx);
 
-  thread_local std::vector<float> inv_total;
+  thread_local std::vector<float> inv_total, maxes;
   inv_total.resize(static_cast<size_t>(rows));
+  maxes.resize(static_cast<size_t>(rows));
   for (int64_t g = 0; g < rows; ++g) {          // exponentials in place, their sum kept
     float* row = scores + g * n;
     __m512 m = _mm512_set1_ps(-3.0e38f);
@@ -163,7 +185,8 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, floa
       _mm512_mask_storeu_ps(row + i, tail, e);
       total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
     }
-    inv_total[g] = 1.0f / _mm512_reduce_add_ps(total);
+    maxes[g] = mx;
+    inv_total[g] = _mm512_reduce_add_ps(total);   // the sum; inverted below for the output
   }
 
   std::fill(acc, acc + rows * d, 0.0f);
@@ -172,47 +195,101 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, floa
       __m512 vr[NC];
       for (int c = 0; c < NC; ++c) vr[c] = _mm512_loadu_ps(v + hh * d + 16 * c);
       for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * n + pos]);
+        const __m512 p = _mm512_set1_ps(scores[g * n + pos - begin]);
         float* a = acc + g * d;
         for (int c = 0; c < NC; ++c)
           _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(p, vr[c], _mm512_loadu_ps(a + 16 * c)));
       }
     }
   };
-  for_each_block(st, s, h0, st.value_cache, ctx, [&](const float* v, int64_t first, int64_t len) {
+  for_each_block(st, s, h0, st.value_cache, begin, end, [&](const float* v, int64_t first, int64_t len) {
     for (int64_t j = 0; j < len; ++j) add_row(v + j * stride, first + j);
   });
-  add_row(st.value + (s * hkv + h0) * d, ctx);
+  if (with_new) add_row(st.value + (s * hkv + h0) * d, ctx);
+  if (partial) {
+    for (int64_t g = 0; g < rows; ++g) {
+      std::memcpy(partial + g * (d + 2), acc + g * d, sizeof(float) * d);
+      partial[g * (d + 2) + d] = maxes[g];
+      partial[g * (d + 2) + d + 1] = inv_total[g];
+    }
+    return;
+  }
   float* out = st.output + (s * st.num_heads + h0 * group) * d;
   for (int64_t g = 0; g < rows; ++g) {
-    const __m512 inv = _mm512_set1_ps(inv_total[g]);
+    const __m512 inv = _mm512_set1_ps(1.0f / inv_total[g]);
     for (int c = 0; c < NC; ++c)
       _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + g * d + 16 * c), inv));
   }
 }
 #endif
 
-// One work item: KV heads [h0, h0 + heads_per_item) of one sequence (all their query heads).
+// One work item: KV heads [h0, h0 + heads_per_item) of one sequence (all their query heads);
+// with chunks, one chunk of one sequence's context, all KV heads.
 void attend(void* user, size_t item) {
   const DecodeStep& st = *static_cast<const DecodeStep*>(user);
   const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, nh = st.heads_per_item;
+  thread_local std::vector<float> buffer;
+#ifdef __AVX512F__
+  if (st.chunks_per_seq > 1) {
+    const int64_t s = static_cast<int64_t>(item) / st.chunks_per_seq, c = static_cast<int64_t>(item) % st.chunks_per_seq;
+    const int64_t ctx = st.context_lens[s], span = st.chunk_blocks * st.block_size;
+    const bool last = c == st.chunks_per_seq - 1;   // the new token's chunk
+    const int64_t begin = std::min(ctx, c * span);
+    const int64_t end = last ? ctx : std::min(ctx, begin + span);
+    buffer.resize(static_cast<size_t>(st.num_heads * (end - begin + 1 + st.head_dim)));
+    float* scores = buffer.data();
+    float* acc = scores + st.num_heads * (end - begin + 1);
+    float* partial = st.partial + static_cast<int64_t>(item) * st.num_heads * (st.head_dim + 2);
+    switch (st.head_dim) {
+      case 16: return attend_avx512<1>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 32: return attend_avx512<2>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 64: return attend_avx512<4>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 128: return attend_avx512<8>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      default: return;   // chunks are only planned for these head sizes
+    }
+  }
+#endif
   const int64_t items_per_seq = hkv / nh;
   const int64_t s = static_cast<int64_t>(item) / items_per_seq, h0 = static_cast<int64_t>(item) % items_per_seq * nh;
-  const int64_t n = st.context_lens[s] + 1;
-  thread_local std::vector<float> buffer;
+  const int64_t ctx = st.context_lens[s], n = ctx + 1;
   buffer.resize(static_cast<size_t>(nh * group * (n + st.head_dim)));
   float* scores = buffer.data();              // [nh * G, n]
   float* acc = scores + nh * group * n;       // [nh * G, D]
 #ifdef __AVX512F__
   switch (st.head_dim) {
-    case 16: return attend_avx512<1>(st, s, h0, nh, scores, acc);
-    case 32: return attend_avx512<2>(st, s, h0, nh, scores, acc);
-    case 64: return attend_avx512<4>(st, s, h0, nh, scores, acc);
-    case 128: return attend_avx512<8>(st, s, h0, nh, scores, acc);
+    case 16: return attend_avx512<1>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 32: return attend_avx512<2>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 64: return attend_avx512<4>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 128: return attend_avx512<8>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
     default: break;
   }
 #endif
   for (int64_t h = h0; h < h0 + nh; ++h) attend_portable(st, s, h, scores, acc);
+}
+
+// The chunks' partial results -> the output: per query head, the maxima's max M, then
+// sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
+[[maybe_unused]] void merge_chunks(const DecodeStep& st, int64_t num_seqs) {
+  const int64_t d = st.head_dim, h_total = st.num_heads, c_total = st.chunks_per_seq;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t g = 0; g < h_total; ++g) {
+      const float* part = st.partial + (s * c_total * h_total + g) * (d + 2);
+      const int64_t chunk_stride = h_total * (d + 2);
+      float m = -INFINITY;
+      for (int64_t c = 0; c < c_total; ++c) m = std::max(m, part[c * chunk_stride + d]);
+      float* out = st.output + (s * h_total + g) * d;
+      std::fill(out, out + d, 0.0f);
+      float total = 0.0f;
+      for (int64_t c = 0; c < c_total; ++c) {
+        const float* p = part + c * chunk_stride;
+        if (p[d + 1] == 0.0f) continue;   // an empty chunk
+        const float w = std::exp(p[d] - m);
+        total += w * p[d + 1];
+        for (int64_t i = 0; i < d; ++i) out[i] += w * p[i];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < d; ++i) out[i] *= inv;
+    }
 }
 
 struct Kernel : KernelBase {
@@ -281,6 +358,27 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   // faster than per-head items at 8-64 sequences on 2 cores); with fewer sequences, a work
   // item per (sequence, KV head) keeps the threads busy
   step.heads_per_item = S >= kMinSequencesPerItemSplit ? Hkv : 1;
+#ifdef __AVX512F__
+  // few sequences: chunks of the context over all KV heads (contiguous pool rows, every core
+  // busy) instead of an item per KV head, where there are blocks enough to share
+  int64_t longest = 0;
+  for (int64_t s = 0; s < S; ++s) longest = std::max(longest, (step.context_lens[s] + B - 1) / B);
+  const int64_t want = static_cast<int64_t>(2 * available_cores());
+  if (S < kMinSequencesPerItemSplit && (D == 16 || D == 32 || D == 64 || D == 128) && S < want &&
+      longest >= 2 * kMinChunkBlocks) {
+    const int64_t per_seq = (want + S - 1) / S;
+    step.chunk_blocks = std::max(kMinChunkBlocks, (longest + per_seq - 1) / per_seq);
+    step.chunks_per_seq = (longest + step.chunk_blocks - 1) / step.chunk_blocks;
+    thread_local std::vector<float> partial;
+    partial.resize(static_cast<size_t>(S * step.chunks_per_seq * H * (D + 2)));
+    step.partial = partial.data();
+    step.heads_per_item = Hkv;
+    RETURN_IF_ERROR(parallel_for(context, attend, static_cast<size_t>(S * step.chunks_per_seq), &step, false,
+                                 std::min(static_cast<size_t>(S * step.chunks_per_seq), available_cores())));
+    merge_chunks(step, S);
+    return nullptr;
+  }
+#endif
   return parallel_for(context, attend, static_cast<size_t>(S * Hkv / step.heads_per_item), &step);
 }
 
