@@ -137,10 +137,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
 #ifdef __AVX512F__
       std::vector<uint16_t> half(offsets_t.size());
       bool exact = true;
-      for (size_t i = 0; i < half.size() && exact; ++i) {
-        half[i] = _cvtss_sh(offsets_t[i], _MM_FROUND_TO_NEAREST_INT);
-        exact = _cvtsh_ss(half[i]) == offsets_t[i];
-      }
+      for (size_t i = 0; i < half.size() && exact; ++i) exact = float_to_half_exact(offsets_t[i], &half[i]);
       if (exact) {
         offsets_t_half = std::move(half);
         std::vector<float>().swap(offsets_t);

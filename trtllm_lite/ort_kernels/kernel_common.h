@@ -88,6 +88,51 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+// float16 bits -> float (no F16C needed: the portable build uses it too).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(mant), -24);
+  } else if (exp == 31) {
+    f = mant ? NAN : INFINITY;
+  } else {
+    uint32_t bits = ((exp + 112) << 23) | (mant << 13);
+    std::memcpy(&f, &bits, 4);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits |= sign;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// float -> float16 bits when the value is exact in float16 (true), else false: no rounding
+// (a tensor with any inexact value keeps float32 storage); NaN and infinities are not exact.
+inline bool float_to_half_exact(float f, uint16_t* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t a = bits & 0x7fffffffu;
+  if (a == 0) {
+    *out = static_cast<uint16_t>(sign);
+    return true;
+  }
+  const int exp = static_cast<int>(a >> 23) - 127;
+  if (exp > 15 || exp < -24) return false;
+  uint16_t h;
+  if (exp >= -14) {
+    if (a & 0x1fffu) return false;
+    h = static_cast<uint16_t>(sign | ((exp + 15) << 10) | ((a >> 13) & 0x3ff));
+  } else {   // subnormal float16: mantissa * 2^-24
+    const float m = std::ldexp(std::fabs(f), 24);
+    if (m != std::floor(m)) return false;
+    h = static_cast<uint16_t>(sign | static_cast<uint32_t>(m));
+  }
+  *out = h;
+  return half_to_float(h) == f;
+}
+
 inline std::string dims_string(const std::vector<int64_t>& dims) {
   std::string out = "[";
   for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);

@@ -54,50 +54,6 @@ struct Packed {
   const uint8_t* block(int64_t group, int64_t b) const { return data.data() + (group * nb + b) * block_bytes(); }
 };
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  float f;
-  if (exp == 0) {
-    f = std::ldexp(static_cast<float>(mant), -24);
-  } else if (exp == 31) {
-    f = mant ? NAN : INFINITY;
-  } else {
-    uint32_t bits = ((exp + 112) << 23) | (mant << 13);
-    std::memcpy(&f, &bits, 4);
-  }
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits |= sign;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// float -> float16 bits when the value is exact in float16 (true), else false: no rounding
-// (a tensor with any inexact value keeps float32 storage); NaN and infinities are not exact.
-bool float_to_half_exact(float f, uint16_t* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint32_t sign = (bits >> 16) & 0x8000u;
-  const uint32_t a = bits & 0x7fffffffu;
-  if (a == 0) {
-    *out = static_cast<uint16_t>(sign);
-    return true;
-  }
-  const int exp = static_cast<int>(a >> 23) - 127;
-  if (exp > 15 || exp < -24) return false;
-  uint16_t h;
-  if (exp >= -14) {
-    if (a & 0x1fffu) return false;
-    h = static_cast<uint16_t>(sign | ((exp + 15) << 10) | ((a >> 13) & 0x3ff));
-  } else {   // subnormal float16: mantissa * 2^-24
-    const float m = std::ldexp(std::fabs(f), 24);
-    if (m != std::floor(m)) return false;
-    h = static_cast<uint16_t>(sign | static_cast<uint32_t>(m));
-  }
-  *out = h;
-  return half_to_float(h) == f;
-}
-
 struct Step {
   const Packed* w;
   const float* x;      // [M, ldx >= nb * block_size]: x, zero-padded to whole blocks if needed
@@ -405,7 +361,8 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     st.x = x_buffer.data();
     st.ldx = width;
   }
-  if (st.rows == 1) {   // centered per block (gemv_group)
+#ifdef __AVX512F__
+  if (st.rows == 1) {   // centered per block (gemv_group; the portable loops take x as it is)
     means.resize(static_cast<size_t>(nb));
     centered.resize(static_cast<size_t>(width));
     for (int64_t b = 0; b < nb; ++b) {
@@ -419,10 +376,9 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
       for (int64_t i = 0; i < block_size; ++i) centered[b * block_size + i] = xb[i] - mean;
     }
     st.means = means.data();
-#ifdef __AVX512F__
     st.x = centered.data();
-#endif
   }
+#endif
   const int64_t row_items = st.rows == 1 ? 1 : (st.rows + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t items = row_items * group_items(st);
   // one thread below ~64 KiB of weights at batch 1 (waking the pool costs more than it saves)

@@ -170,8 +170,9 @@ def graph_files(engine: EngineDir, accuracy_level: int | None = None) -> dict[st
 def uses_prepacking(engine: EngineDir, options: OrtOptions) -> bool:
     """Whether sessions for ``engine`` repack their weights (see :class:`OrtOptions`)."""
     if not options.enable_prepacking and is_quantized(engine):
-        warnings.warn("prepacking is off for a quantized engine: MatMulNBits will dequantize "
-                      "every weight on every call (slow)", stacklevel=3)
+        warnings.warn("prepacking is off for a quantized engine: its MatMulNBits nodes (accuracy level 4, "
+                      "or without trtllm-lite's kernels) will dequantize every weight on every call (slow)",
+                      stacklevel=3)
     return options.enable_prepacking
 
 
