@@ -31,7 +31,7 @@ def test_bad_request_raises_and_engine_keeps_serving(smollm2_llm, prompt, params
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"),
+    (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"), (dict(seed=2 ** 64), "seed"),
     # a truthy string must not read as True (ignore_eos="no" generated past the answer)
     (dict(ignore_eos="no"), "ignore_eos must be a bool"),
     (dict(include_stop_str_in_output="x"), "include_stop_str_in_output must be a bool"),

@@ -121,8 +121,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
-        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
-            bad("seed", "must be a non-negative integer")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 64):
+            bad("seed", "must be an integer in [0, 2**64) (gRPC's uint64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(s, str) or not s.strip() for s in self.bad_words):
