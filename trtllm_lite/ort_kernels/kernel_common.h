@@ -42,9 +42,16 @@ struct Tensor {
   std::vector<int64_t> dims;
 };
 
+// Input `index`'s value alone (no shape query: that allocates, and constant weights whose
+// shapes were checked once need only their data).
+inline OrtStatus* input_value(OrtKernelContext* ctx, size_t index, const OrtValue** out) {
+  return slot<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(g_api, kKernelContextGetInput)(
+      ctx, index, out);
+}
+
+// Input `index`'s value and shape.
 inline OrtStatus* read_input(OrtKernelContext* ctx, size_t index, Tensor* out) {
-  RETURN_IF_ERROR(slot<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(
-      g_api, kKernelContextGetInput)(ctx, index, &out->value));
+  RETURN_IF_ERROR(input_value(ctx, index, &out->value));
   OrtTensorTypeAndShapeInfo* info = nullptr;
   RETURN_IF_ERROR(slot<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(
       g_api, kGetTensorTypeAndShape)(out->value, &info));

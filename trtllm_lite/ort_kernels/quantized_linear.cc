@@ -30,6 +30,7 @@
 //     per 32 weights.
 //   M > 1 (compute-bound as M grows): w = q * scale + offset (the dequantized float32 weight,
 //     one rounding), then a register tile of up to 8 rows of x x 32 outputs (two groups).
+#include <array>
 #include <cstdint>
 #include <mutex>
 
@@ -248,9 +249,15 @@ struct Kernel : KernelBase {
   bool with_offsets = false;
   int64_t n = 0, kernel_k = 0, block_size = 0;
   std::mutex mutex;
-  const void* packed_from = nullptr;   // the qweight tensor `packed` was made from
+  std::array<const void*, 4> packed_from{};   // the weight inputs' data `packed` was made from
+  size_t num_weights() const { return with_offsets ? 4 : 3; }
+  std::string description() const {   // for errors: the op and its attributes
+    return std::string(with_offsets ? "QuantizedLinearWithOffsets" : "QuantizedLinear") + " (N " + std::to_string(n) +
+           ", K " + std::to_string(kernel_k) + ", block_size " + std::to_string(block_size) + ")";
+  }
   Packed packed;
   OrtStatus* compute(OrtKernelContext* context) override;
+  OrtStatus* check_and_pack(OrtKernelContext* context);
   OrtStatus* pack(const uint8_t* qweight, const float* scales, const uint8_t* zero_points, const float* offsets,
                   int64_t nbo);
 };
@@ -303,9 +310,9 @@ OrtStatus* Kernel::pack(const uint8_t* qweight, const float* scales, const uint8
   return nullptr;
 }
 
-OrtStatus* Kernel::compute(OrtKernelContext* context) {
-  Tensor x, qweight, scales, zero_points, offsets;
-  RETURN_IF_ERROR(read_input(context, 0, &x));
+// The weights' shapes checked against the attributes, then repacked (layout above).
+OrtStatus* Kernel::check_and_pack(OrtKernelContext* context) {
+  Tensor qweight, scales, zero_points, offsets;
   RETURN_IF_ERROR(read_input(context, 1, &qweight));
   RETURN_IF_ERROR(read_input(context, 2, &scales));
   RETURN_IF_ERROR(read_input(context, 3, &zero_points));
@@ -317,32 +324,49 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     return c;
   };
   const int64_t nbo = !with_offsets ? 0 : offsets.dims.size() == 2 ? offsets.dims[1] : -1;
-  if (n <= 0 || block_size <= 0 || block_size % 4 || x.dims.size() != 2 || x.dims[1] != kernel_k ||
-      count(qweight) != n * nb * block_size / 2 || count(scales) != n * nb || count(zero_points) != n * ((nb + 1) / 2) ||
+  if (n <= 0 || block_size <= 0 || block_size % 4 || count(qweight) != n * nb * block_size / 2 ||
+      count(scales) != n * nb || count(zero_points) != n * ((nb + 1) / 2) ||
       (with_offsets && (offsets.dims.size() != 2 || offsets.dims[0] != n || nbo < 0 || nbo * block_size > kernel_k)))
     return error(ORT_INVALID_ARGUMENT,
-                 std::string(with_offsets ? "QuantizedLinearWithOffsets" : "QuantizedLinear") + " (N " +
-                     std::to_string(n) + ", K " + std::to_string(kernel_k) + ", block_size " +
-                     std::to_string(block_size) + "): x " + dims_string(x.dims) + ", qweight " +
-                     dims_string(qweight.dims) + ", scales " + dims_string(scales.dims) + ", zero_points " +
-                     dims_string(zero_points.dims) + (with_offsets ? ", offsets " + dims_string(offsets.dims) : "") +
-                     " are not [M, K], [N, nb, block_size / 2], [N, nb], [N, ceil(nb / 2)]" +
+                 description() + ": qweight " + dims_string(qweight.dims) + ", scales " +
+                     dims_string(scales.dims) + ", zero_points " + dims_string(zero_points.dims) +
+                     (with_offsets ? ", offsets " + dims_string(offsets.dims) : "") +
+                     " are not [N, nb, block_size / 2], [N, nb], [N, ceil(nb / 2)]" +
                      (with_offsets ? ", [N, nbo <= K / block_size]" : "") +
                      " (nb = ceil(K / block_size), block_size a multiple of 4)");
+  const uint8_t *q = nullptr, *z = nullptr;
+  const float *s = nullptr, *o = nullptr;
+  RETURN_IF_ERROR(data_of(qweight.value, &q));
+  RETURN_IF_ERROR(data_of(scales.value, &s));
+  RETURN_IF_ERROR(data_of(zero_points.value, &z));
+  if (with_offsets) RETURN_IF_ERROR(data_of(offsets.value, &o));
+  packed_from = {};   // until the repack succeeds
+  RETURN_IF_ERROR(pack(q, s, z, o, nbo));
+  packed_from = {q, s, z, o};
+  return nullptr;
+}
+
+OrtStatus* Kernel::compute(OrtKernelContext* context) {
+  Tensor x;
+  RETURN_IF_ERROR(read_input(context, 0, &x));
+  if (x.dims.size() != 2 || x.dims[1] != kernel_k)
+    return error(ORT_INVALID_ARGUMENT, description() + ": x " + dims_string(x.dims) + " is not [M, K]");
   const float* x_data = nullptr;
   RETURN_IF_ERROR(data_of(x.value, &x_data));
   {
-    std::lock_guard<std::mutex> lock(mutex);   // the weights are constants: repacked once
-    const uint8_t *q = nullptr, *z = nullptr;
-    const float *s = nullptr, *o = nullptr;
-    RETURN_IF_ERROR(data_of(qweight.value, &q));
-    if (packed_from != q) {
-      RETURN_IF_ERROR(data_of(scales.value, &s));
-      RETURN_IF_ERROR(data_of(zero_points.value, &z));
-      if (with_offsets) RETURN_IF_ERROR(data_of(offsets.value, &o));
-      RETURN_IF_ERROR(pack(q, s, z, o, nbo));
-      packed_from = q;
+    // the weights are constants: their shapes are checked and the data repacked at the first
+    // call, or when a weight input's data moves (later calls read only x's shape: shape
+    // queries allocate)
+    std::lock_guard<std::mutex> lock(mutex);
+    bool same = true;
+    for (size_t i = 0; i < num_weights(); ++i) {
+      const OrtValue* value = nullptr;
+      const void* data = nullptr;
+      RETURN_IF_ERROR(input_value(context, i + 1, &value));
+      RETURN_IF_ERROR(data_of(value, &data));
+      same = same && data == packed_from[i];
     }
+    if (!same) RETURN_IF_ERROR(check_and_pack(context));
   }
   Step st{};
   st.w = &packed;
@@ -350,7 +374,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(new_output(context, 0, {st.rows, n}, &st.y));
   if (st.rows == 0) return nullptr;
   // x zero-padded to whole blocks where K is not a multiple of the block size
-  const int64_t width = nb * block_size;
+  const int64_t nb = packed.nb, width = nb * block_size;
   thread_local std::vector<float> x_buffer, means, centered;
   st.x = x_data;
   st.ldx = kernel_k;
