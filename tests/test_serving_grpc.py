@@ -170,6 +170,7 @@ def test_abort_by_request_id_is_idempotent(server, client):
     t.start()
     assert wait_until(lambda: client.model_info().num_running == 1, timeout=30)
     assert client.abort("essay-1") is True
+    assert client.abort("essay-1") is False          # its abort is already under way
     t.join(30)
     assert got and got[-1].finished and got[-1].outputs[0].finish_reason == "abort"
     assert client.abort("essay-1") is False          # already finished

@@ -168,6 +168,14 @@ def test_text_that_is_not_unicode_is_400_naming_it(server, oai, route, body, par
     assert oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
+def test_chat_max_completion_tokens_error_names_it(server):
+    """A chat request's bad ``max_completion_tokens`` is a 400 naming that field (not the
+    ``max_tokens`` it maps to)."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0}
+    r = httpx.post(f"http://{server.http}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+
+
 def test_bad_json_is_400(server):
     r = httpx.post(f"http://{server.http}/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})

@@ -127,6 +127,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, object]] = {}
         self._aborting: set[str] = set()   # ids whose consumer left and whose abort is queued
+        self._abort_requested: set[str] = set()   # ids abort() was called for, until their stream ends
         self._error: BaseException | None = None
         self._accepting = True
         self._stopped = False
@@ -200,14 +201,18 @@ class AsyncLLM:
                     return
         finally:
             self._streams.pop(rid, None)
+            self._abort_requested.discard(rid)
             if not finished:
                 self._aborting.add(rid)     # the id stays taken until the engine has aborted it
                 self._commands.put(("abort", rid))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request by id, in any state (its stream ends with finish reason
-        'abort'). Idempotent; returns whether the request was in flight here."""
-        found = request_id in self._streams
+        'abort'). Idempotent; returns whether the request was in flight here and not already
+        being aborted (a second call before the stream ends returns False)."""
+        found = request_id in self._streams and request_id not in self._abort_requested
+        if found:
+            self._abort_requested.add(request_id)
         self._commands.put(("abort", request_id))
         return found
 
