@@ -21,6 +21,19 @@ def test_repetition_penalty_divides_positive_multiplies_negative_over_prompt_and
     np.testing.assert_allclose(x, [1.0, -4.0, 1.0, -2.0, 1.0])   # token 3 unseen, 4 unseen
 
 
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("penalty", [1e308, 1e-308])
+def test_extreme_repetition_penalty_samples_without_overflow(penalty):
+    """Any finite penalty > 0 is accepted: no numpy overflow warning, no NaN, and sampling
+    still draws a token (found by QA: 1e308 overflowed float32 with warnings)."""
+    r = row(prompt=[0, 1], output=[2], repetition_penalty=penalty, temperature=1.0, seed=0)
+    x = processed([3.0, -2.0, 0.0, 1.0], r)
+    assert not np.isnan(x).any() and np.isfinite(x[[0, 2, 3]]).all()
+    assert x[3] == 1.0                                     # unseen: untouched
+    tokens, _ = Sampler(0)(np.array([[3.0, -2.0, 0.0, 1.0]], np.float32), [r])
+    assert tokens[0] in range(4)
+
+
 def test_presence_and_frequency_count_output_tokens_only():
     x = processed([1.0, 1.0, 1.0, 1.0], row(prompt=[0, 0, 3], output=[1, 1, 2],
                                             presence_penalty=0.5, frequency_penalty=0.25))

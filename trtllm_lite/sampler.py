@@ -88,12 +88,17 @@ def apply_penalties(x: np.ndarray, rows: list[SamplingRow]) -> None:
                        np.concatenate(outs) if outs else np.zeros(0, np.int64)), 1)
     in_prompt = np.zeros((len(idx), vocab), bool)
     in_prompt[np.repeat(np.arange(len(idx)), [len(p) for p in prompts]), np.concatenate(prompts)] = True
-    rep = np.array([rows[r].params.repetition_penalty for r in idx], np.float32)[:, None]
+    # any finite penalty > 0 is valid: held in float32's normal range, and a penalized logit
+    # that overflows is the largest float32 (a positive one) or -inf (a negative one: banned)
+    f32 = np.finfo(np.float32)
+    rep = np.clip(np.array([rows[r].params.repetition_penalty for r in idx], np.float64), f32.tiny, f32.max)
+    rep = rep.astype(np.float32)[:, None]
     pres = np.array([rows[r].params.presence_penalty for r in idx], np.float32)[:, None]
     freq = np.array([rows[r].params.frequency_penalty for r in idx], np.float32)[:, None]
     sub = x[idx]
     seen = in_prompt | (counts > 0)
-    sub = np.where(seen, np.where(sub > 0, sub / rep, sub * rep), sub)
+    with np.errstate(over="ignore"):
+        sub = np.where(seen, np.where(sub > 0, np.minimum(sub / rep, f32.max), sub * rep), sub)
     sub -= freq * counts + pres * (counts > 0)
     x[idx] = sub
 
