@@ -168,6 +168,13 @@ def test_text_that_is_not_unicode_is_400_naming_it(server, oai, route, body, par
     assert oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
+@pytest.mark.parametrize("prompt", [[1, "a"], 5, [1.5], {"a": 1}])
+def test_prompt_of_no_accepted_form_is_400_listing_the_forms(server, prompt):
+    r = httpx.post(f"http://{server.http}/v1/completions", json={"model": "smollm2", "prompt": prompt}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "a list of token ids" in r.json()["error"]["message"]
+
+
 def test_chat_max_completion_tokens_error_names_it(server):
     """A chat request's bad ``max_completion_tokens`` is a 400 naming that field (not the
     ``max_tokens`` it maps to)."""
