@@ -22,16 +22,26 @@ def test_repetition_penalty_divides_positive_multiplies_negative_over_prompt_and
 
 
 @pytest.mark.filterwarnings("error")
-@pytest.mark.parametrize("penalty", [1e308, 1e-308])
-def test_extreme_repetition_penalty_samples_without_overflow(penalty):
-    """Any finite penalty > 0 is accepted: no numpy overflow warning, no NaN, and sampling
-    still draws a token (found by QA: 1e308 overflowed float32 with warnings)."""
-    r = row(prompt=[0, 1], output=[2], repetition_penalty=penalty, temperature=1.0, seed=0)
-    x = processed([3.0, -2.0, 0.0, 1.0], r)
-    assert not np.isnan(x).any() and np.isfinite(x[[0, 2, 3]]).all()
+@pytest.mark.parametrize("penalty", [1e308, 3.5e38, 1e-308, 1e-45])
+@pytest.mark.parametrize("temperature", [1.0, 0.8, 0.01])
+def test_extreme_repetition_penalty_samples_without_overflow(penalty, temperature):
+    """Any finite penalty > 0 is accepted: no numpy overflow warning, no NaN, and the row is
+    still sampled, not silently greedy (found by QA: 1e308 overflowed float32; a tiny penalty
+    with temperature < 1 overflowed the division by T and fell back to greedy)."""
+    logits = np.array([[3.0, -2.0, 0.0, 1.0, 3.0]], np.float32)
+    r = row(prompt=[0, 1], output=[2, 4], repetition_penalty=penalty, temperature=temperature, logprobs=2)
+    x = processed(logits[0], r)
+    assert not np.isnan(x).any() and np.isfinite(x[[0, 2, 3, 4]]).all()
     assert x[3] == 1.0                                     # unseen: untouched
-    tokens, _ = Sampler(0)(np.array([[3.0, -2.0, 0.0, 1.0]], np.float32), [r])
-    assert tokens[0] in range(4)
+    drawn = set()
+    for seed in range(40):
+        r = row(prompt=[0, 1], output=[2, 4], repetition_penalty=penalty, temperature=temperature, seed=seed,
+                logprobs=2)
+        tokens, logprobs = Sampler(0)(logits.copy(), [r])
+        assert np.isfinite(logprobs[0].logprob)
+        drawn.add(int(tokens[0]))
+    if penalty < 1:    # tokens 0 and 4 pushed to the top together: sampled, both drawn
+        assert drawn == {0, 4}
 
 
 def test_presence_and_frequency_count_output_tokens_only():

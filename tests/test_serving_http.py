@@ -175,10 +175,11 @@ def test_prompt_of_no_accepted_form_is_400_listing_the_forms(server, prompt):
     assert "a list of token ids" in r.json()["error"]["message"]
 
 
-def test_chat_max_completion_tokens_error_names_it(server):
-    """A chat request's bad ``max_completion_tokens`` is a 400 naming that field (not the
-    ``max_tokens`` it maps to)."""
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0}
+@pytest.mark.parametrize("value", [0, 10 ** 6])
+def test_chat_max_completion_tokens_error_names_it(server, value):
+    """A chat request's bad ``max_completion_tokens`` (below 1, or past what max_seq_len
+    leaves after the prompt) is a 400 naming that field, not the ``max_tokens`` it maps to."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": value}
     r = httpx.post(f"http://{server.http}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
 

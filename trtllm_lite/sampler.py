@@ -42,13 +42,15 @@ class TokenLogprobs:
 
 def softmax(x: np.ndarray) -> np.ndarray:
     """Row-wise softmax of ``[N, V]`` float32, stable; -inf entries get probability 0."""
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    with np.errstate(over="ignore"):   # far below the peak: -inf, probability 0
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
     m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+    with np.errstate(over="ignore"):   # far below the peak: -inf
+        return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def apply_logit_bias(x: np.ndarray, rows: list[SamplingRow]) -> None:
@@ -200,7 +202,11 @@ class Sampler:
             params = [rows[i].params for i in idx]
             # temperatures past 1e6 are uniform sampling already; capped so float32 stays finite
             temps = np.minimum([p.temperature for p in params], 1e6).astype(np.float32)
-            t = x[idx] / temps[:, None]
+            # shifted by the row's peak first (softmax does not change): then x / T <= 0, and a
+            # quotient past float32 (a penalized logit over a small T) is -inf, probability 0
+            peak = x[idx].max(axis=-1, keepdims=True)
+            with np.errstate(over="ignore", invalid="ignore"):
+                t = (x[idx] - np.where(np.isfinite(peak), peak, 0)) / temps[:, None]
             apply_top_k(t, np.array([p.top_k for p in params]))
             probs = softmax(t)
             apply_top_p(probs, np.array([p.top_p for p in params]))

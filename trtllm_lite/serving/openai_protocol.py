@@ -149,8 +149,12 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs=true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
-        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:   # named as sent
-            raise ValueError(f"max_completion_tokens must be an integer >= 1, got {self.max_completion_tokens}")
+        if self.max_completion_tokens is not None:   # errors name the field as sent
+            if self.max_completion_tokens < 1:
+                raise ValueError(f"max_completion_tokens must be an integer >= 1, got {self.max_completion_tokens}")
+            if 0 < room < self.max_completion_tokens:
+                raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) exceeds the {room} tokens "
+                                 "that max_seq_len leaves after the prompt")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return dict(self.common_values(), max_tokens=max_tokens if max_tokens is not None else max(room, 1),
                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
