@@ -13,11 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..sampling_params import MAX_LOGPROBS
 
 
-# strict: a wrong JSON type is a 400 naming the field (true is not 1, "yes" is not true)
-
 PROMPT_FORMS = ("must be a string, a list of strings, a list of token ids (integers) or a list of lists "
                 "of token ids")   # a completion prompt's accepted forms, for errors
 
+
+# strict: a wrong JSON type is a 400 naming the field (true is not 1, "yes" is not true)
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
