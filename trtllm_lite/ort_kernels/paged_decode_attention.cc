@@ -122,6 +122,22 @@ void attend_portable(const DecodeStep& st, int64_t s, int64_t h, float* scores, 
 }
 
 #ifdef __AVX512F__
+// v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes: a transpose-add in four
+// steps (pairs within 128-bit lanes, then quads, then across the 128-bit lanes), 45 shuffles
+// and adds for 16 sums where 16 horizontal sums take ~128.
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)   // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)   // per 128-bit lane: that lane's sums of v[4k .. 4k + 3]
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 2; ++k)   // 128-bit lanes [u0 + u1, u2 + u3] of u[2k], then of u[2k + 1]
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
 // AVX-512 version for head_dim = 16 * NC: KV heads [h0, h0 + nh) of sequence s, each pool row
 // read once for all of them (one contiguous nh * D stretch) and held in NC registers per head.
 // Cached positions [begin, end), plus the new token when with_new (the last chunk). partial:
@@ -145,22 +161,34 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int6
   float* q_scaled = acc;                        // [rows, D] scratch, reused for the sums below
   for (int64_t i = 0; i < rows * d; ++i) q_scaled[i] = q[i] * st.scale;
 
-  auto score_row = [&](const float* k, int64_t pos) {   // k: head h0's row at pos
-    for (int64_t hh = 0; hh < nh; ++hh) {
-      __m512 kr[NC];
-      for (int c = 0; c < NC; ++c) kr[c] = _mm512_loadu_ps(k + hh * d + 16 * c);
-      for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
-        const float* qg = q_scaled + g * d;
-        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), kr[0]);
-        for (int c = 1; c < NC; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kr[c], dot);
-        scores[g * n + pos - begin] = _mm512_reduce_add_ps(dot);
+  // scores of up to 16 positions at a time: 16 dot-product vectors, then one transpose-add
+  // (sum16) into a vector of 16 scores, instead of a horizontal sum per position
+  auto score_rows = [&](const float* k, int64_t first, int64_t len) {   // k: head h0's row at first
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const int64_t tile = std::min<int64_t>(16, len - j0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << tile) - 1);
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const float* kh = k + j0 * stride + hh * d;
+        for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
+          __m512 qv[NC], dots[16];
+          for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q_scaled + g * d + 16 * c);
+          for (int64_t j = 0; j < 16; ++j) {
+            if (j >= tile) {
+              dots[j] = _mm512_setzero_ps();
+              continue;
+            }
+            const float* kr = kh + j * stride;
+            __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+            for (int c = 1; c < NC; ++c) dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), dot);
+            dots[j] = dot;
+          }
+          _mm512_mask_storeu_ps(scores + g * n + first + j0 - begin, mask, sum16(dots));
+        }
       }
     }
   };
-  for_each_block(st, s, h0, st.key_cache, begin, end, [&](const float* k, int64_t first, int64_t len) {
-    for (int64_t j = 0; j < len; ++j) score_row(k + j * stride, first + j);
-  });
-  if (with_new) score_row(st.key + (s * hkv + h0) * d, ctx);
+  for_each_block(st, s, h0, st.key_cache, begin, end, score_rows);
+  if (with_new) score_rows(st.key + (s * hkv + h0) * d, ctx, 1);
 
   thread_local std::vector<float> inv_total, maxes;
   inv_total.resize(static_cast<size_t>(rows));
@@ -190,22 +218,39 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int6
   }
 
   std::fill(acc, acc + rows * d, 0.0f);
-  auto add_row = [&](const float* v, int64_t pos) {
+  // per query head, a block's rows into accumulators held in registers (two sets, even and
+  // odd positions, so the multiply-adds do not wait on each other); the rows come from L1
+  // after the group's first head
+  auto add_rows = [&](const float* v, int64_t first, int64_t len) {
     for (int64_t hh = 0; hh < nh; ++hh) {
-      __m512 vr[NC];
-      for (int c = 0; c < NC; ++c) vr[c] = _mm512_loadu_ps(v + hh * d + 16 * c);
+      const float* vh = v + hh * d;
       for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * n + pos - begin]);
+        const float* p = scores + g * n + first - begin;
         float* a = acc + g * d;
-        for (int c = 0; c < NC; ++c)
-          _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(p, vr[c], _mm512_loadu_ps(a + 16 * c)));
+        __m512 even[NC], odd[NC];
+        for (int c = 0; c < NC; ++c) {
+          even[c] = _mm512_loadu_ps(a + 16 * c);
+          odd[c] = _mm512_setzero_ps();
+        }
+        int64_t j = 0;
+        for (; j + 2 <= len; j += 2) {
+          const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+          const float *v0 = vh + j * stride, *v1 = v0 + stride;
+          for (int c = 0; c < NC; ++c) {
+            even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+            odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+          }
+        }
+        if (j < len) {
+          const __m512 p0 = _mm512_set1_ps(p[j]);
+          for (int c = 0; c < NC; ++c) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vh + j * stride + 16 * c), even[c]);
+        }
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_add_ps(even[c], odd[c]));
       }
     }
   };
-  for_each_block(st, s, h0, st.value_cache, begin, end, [&](const float* v, int64_t first, int64_t len) {
-    for (int64_t j = 0; j < len; ++j) add_row(v + j * stride, first + j);
-  });
-  if (with_new) add_row(st.value + (s * hkv + h0) * d, ctx);
+  for_each_block(st, s, h0, st.value_cache, begin, end, add_rows);
+  if (with_new) add_rows(st.value + (s * hkv + h0) * d, ctx, 1);
   if (partial) {
     for (int64_t g = 0; g < rows; ++g) {
       std::memcpy(partial + g * (d + 2), acc + g * d, sizeof(float) * d);
