@@ -150,6 +150,10 @@ DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
     # 8 sequences or more: a work item per sequence (all KV heads) instead of per head
     (9, 3, 64, 16, [200, 0, 17, 64, 3, 150, 90, 33, 1, 400, 16, 77], [1] * 12),
     (6, 2, 20, 4, [1, 30, 4, 64, 13, 0, 7, 22, 9], [1] * 9),
+    # blocks longer than 16 rows: the score pass's 16-position tiles and their masked tail, the
+    # value pass's odd row (per-sequence items; chunks)
+    (8, 2, 32, 40, [81, 5, 40, 120, 7, 1, 39, 200], [1] * 8),
+    (4, 2, 16, 17, [300], [1]),
 ]
 
 

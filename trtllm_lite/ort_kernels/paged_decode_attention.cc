@@ -139,7 +139,9 @@ inline __m512 sum16(const __m512 v[16]) {
 }
 
 // AVX-512 version for head_dim = 16 * NC: KV heads [h0, h0 + nh) of sequence s, each pool row
-// read once for all of them (one contiguous nh * D stretch) and held in NC registers per head.
+// read from memory once for all of them (one contiguous nh * D stretch), then from L1 for each
+// of a KV head's query heads (a block's scores 16 positions at a time, its values summed in
+// registers).
 // Cached positions [begin, end), plus the new token when with_new (the last chunk). partial:
 // null to write the normalized output, else [rows, D + 2] for merge_chunks (all KV heads).
 template <int NC>
