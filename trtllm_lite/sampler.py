@@ -204,9 +204,10 @@ class Sampler:
             temps = np.minimum([p.temperature for p in params], 1e6).astype(np.float32)
             # shifted by the row's peak first (softmax does not change): then x / T <= 0, and a
             # quotient past float32 (a penalized logit over a small T) is -inf, probability 0
-            peak = x[idx].max(axis=-1, keepdims=True)
+            t = x[idx]
+            peak = t.max(axis=-1, keepdims=True)
             with np.errstate(over="ignore", invalid="ignore"):
-                t = (x[idx] - np.where(np.isfinite(peak), peak, 0)) / temps[:, None]
+                t = (t - np.where(np.isfinite(peak), peak, 0)) / temps[:, None]
             apply_top_k(t, np.array([p.top_k for p in params]))
             probs = softmax(t)
             apply_top_p(probs, np.array([p.top_p for p in params]))
