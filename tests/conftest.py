@@ -105,13 +105,15 @@ def tiny_model(tmp_path_factory):
 
 def build_kernel_library(variant: str, tmp_path_factory) -> str:
     """trtllm-lite's ONNX Runtime kernel library as the runtime builds it (``native``:
-    ``-march=native``, AVX-512 here) or with AVX-512 off (``portable``: the loops other CPUs
-    run); a skip with the compiler's reason where it does not build."""
+    ``-march=native``, AVX-512 here), with AVX-512 off (``portable``: the loops other CPUs
+    run), or with AVX-512 but not its VNNI instructions (``no-vnni``: the float32 batch-1 loop
+    of ``QuantizedLinear``); a skip with the compiler's reason where it does not build."""
     from trtllm_lite.ort_kernels import KernelBuildError, build_library
+    flags = {"portable": ("-mno-avx512f",), "no-vnni": ("-mno-avx512vnni",)}
     try:
         if variant == "native":
             return str(build_library())
-        return str(build_library(tmp_path_factory.mktemp("portable_kernels"), ("-mno-avx512f",)))
+        return str(build_library(tmp_path_factory.mktemp(f"{variant}_kernels"), flags[variant]))
     except KernelBuildError as e:
         pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
 
@@ -122,8 +124,8 @@ def kernel_library(request, tmp_path_factory):
     return build_kernel_library(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="session", params=["function-body", "native", "portable"])
+@pytest.fixture(scope="session", params=["function-body", "native", "portable", "no-vnni"])
 def op_library(request, tmp_path_factory):
     """``None`` (ONNX Runtime inlines the ops' ONNX function bodies; needs no compiler), or
-    the kernel library's path, both builds."""
+    the kernel library's path, each build."""
     return None if request.param == "function-body" else build_kernel_library(request.param, tmp_path_factory)

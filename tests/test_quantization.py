@@ -167,6 +167,32 @@ def test_quantized_linear_keeps_float32_accuracy_on_offset_inputs(op_library, ca
     assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-6
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30])
+def test_quantized_linear_batch1_keeps_float32_accuracy_at_any_scale(op_library, scale):
+    """The batch-1 path at tiny and huge x, with a block of x all zero and one holding a single
+    value (the VNNI build writes x per block as 24-bit integers scaled by a power of two): within
+    float32's error of float64 x @ dequant(W)^T."""
+    q = quantize_weight(random_weight(37, k=256), 4, 32, False)
+    x = np.random.default_rng(7).standard_normal((1, q.k)) * scale
+    x[0, 32:96] = 0.0
+    x[0, 70] = 3.0 * scale
+    x = x.astype(np.float32)
+    expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    got, _ = run_linear(q, x, library=op_library)
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-6
+
+
+def test_quantized_linear_batch1_propagates_nan_and_inf(op_library):
+    """A NaN or an infinity in x makes every output non-finite, as float32 arithmetic does (the
+    kernel centers x per block, so an infinity becomes NaN)."""
+    q = quantize_weight(random_weight(37, k=128), 4, 32, False)
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.random.default_rng(8).standard_normal((1, q.k)).astype(np.float32)
+        x[0, 40] = bad
+        got, _ = run_linear(q, x, library=op_library)
+        assert not np.isfinite(got).any(), bad
+
+
 def test_quantized_linear_rejects_mismatched_shapes(kernel_library):
     """A node whose tensors do not fit its attributes fails with the shapes named."""
     from builder.fused_ops import QUANTIZED_LINEAR_OP_TYPE, make_quantized_linear_functions

@@ -188,6 +188,7 @@ class Report:
         return "\n".join(L)
 
     def write(self, docs: str) -> None:
+        os.makedirs(docs, exist_ok=True)
         with open(os.path.join(docs, "benchmarks_cpu.json"), "w") as f:
             json.dump({"results": self.r, "bounds": self.bounds, "bytes_per_step": self.bytes,
                        "flops_per_token": self.flops, "machine": self.machine,
