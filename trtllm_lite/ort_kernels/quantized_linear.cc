@@ -49,7 +49,6 @@
 #include <cstdlib>
 #include <limits>
 #include <mutex>
-#include <new>
 
 #include "kernel_common.h"
 
@@ -64,33 +63,88 @@ constexpr int64_t kRowsPerItem = 64;
 constexpr int64_t kChunkBytes = 64;  // one vector: 16 rows x 8 columns of 4-bit codes
 constexpr int64_t kPrefetchBytes = 8192;   // gemv_group_vnni
 
-// Bytes that ask the kernel for transparent 2 MiB pages (madvise; where it allows them).
-class PageAlignedBytes {
+// Every node's repacked weights come from shared slabs, 2 MiB-aligned, that ask the kernel for
+// transparent 2 MiB pages (madvise; advice only): the weights are streamed whole every step, and
+// with 4 KiB pages each page costs a TLB miss (SmolLM2 int4 batch 1 ran at ~66 or ~100 tokens/s
+// from one process to the next that way on a Xeon VM). Most nodes' weights are under 2 MiB
+// (SmolLM2's layer linears: 0.2-1.1 MB), so a buffer of their own could only use huge pages by
+// rounding each up to 2 MiB of memory. A slab is freed when its last buffer is.
+class HugePageSlabs {
  public:
-  void assign(size_t size) {
-    constexpr size_t kHuge = size_t{2} << 20;
-    const size_t capacity = (size + kHuge - 1) / kHuge * kHuge;
-    data_.reset(static_cast<uint8_t*>(std::aligned_alloc(kHuge, std::max(capacity, kHuge))));
-    if (!data_) throw std::bad_alloc();
-#ifdef MADV_HUGEPAGE
-    madvise(data_.get(), capacity, MADV_HUGEPAGE);   // advice only: 4 KiB pages if refused
-#endif
-    std::memset(data_.get(), 0, size);
+  static HugePageSlabs& instance() {
+    static HugePageSlabs* slabs = new HugePageSlabs;   // never destroyed: kernels may outlive statics
+    return *slabs;
   }
-  uint8_t* data() const { return data_.get(); }
+
+  // `size` bytes, 64-byte aligned, zeroed; nullptr when out of memory.
+  uint8_t* allocate(size_t size) {
+    size = (size + 63) / 64 * 64;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (slabs_.empty() || slabs_.back().used + size > slabs_.back().size) {
+      const size_t slab_size = std::max(kSlabBytes, (size + kHugePage - 1) / kHugePage * kHugePage);
+      auto* base = static_cast<uint8_t*>(std::aligned_alloc(kHugePage, slab_size));
+      if (!base) return nullptr;
+#ifdef MADV_HUGEPAGE
+      madvise(base, slab_size, MADV_HUGEPAGE);
+#endif
+      slabs_.push_back({base, slab_size, 0, 0});
+    }
+    Slab& slab = slabs_.back();
+    uint8_t* p = slab.base + slab.used;
+    slab.used += size;
+    ++slab.live;
+    std::memset(p, 0, size);
+    return p;
+  }
+
+  void release(const uint8_t* p) {
+    if (!p) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < slabs_.size(); ++i) {
+      Slab& slab = slabs_[i];
+      if (p < slab.base || p >= slab.base + slab.size) continue;
+      if (--slab.live == 0) {
+        std::free(slab.base);
+        slabs_.erase(slabs_.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      return;
+    }
+  }
 
  private:
-  struct Free {
-    void operator()(uint8_t* p) const { std::free(p); }
+  static constexpr size_t kHugePage = size_t{2} << 20, kSlabBytes = size_t{32} << 20;
+  struct Slab {
+    uint8_t* base;
+    size_t size, used;
+    int64_t live;   // buffers not yet released
   };
-  std::unique_ptr<uint8_t, Free> data_;
+  std::mutex mutex_;
+  std::vector<Slab> slabs_;   // the last one is being filled
+};
+
+// A node's share of the slabs.
+class SlabBytes {
+ public:
+  SlabBytes() = default;
+  SlabBytes(const SlabBytes&) = delete;
+  SlabBytes& operator=(const SlabBytes&) = delete;
+  ~SlabBytes() { HugePageSlabs::instance().release(data_); }
+  bool assign(size_t size) {   // false when out of memory
+    HugePageSlabs::instance().release(data_);
+    data_ = HugePageSlabs::instance().allocate(size);
+    return data_ != nullptr;
+  }
+  uint8_t* data() const { return data_; }
+
+ private:
+  uint8_t* data_ = nullptr;
 };
 
 // One node's weights, repacked (layout above).
 struct Packed {
   int64_t n = 0, nb = 0, block_size = 0, groups = 0;
   bool half = false;                 // scales and offsets stored as float16
-  PageAlignedBytes data;
+  SlabBytes data;
   int64_t chunks() const { return (block_size + 7) / 8; }          // 8 columns x 16 rows each
   int64_t code_bytes() const { return chunks() * kChunkBytes; }
   int64_t block_bytes() const { return code_bytes() + 2 * kLanes * (half ? 2 : 4); }
@@ -443,7 +497,8 @@ OrtStatus* Kernel::pack(const uint8_t* qweight, const float* scales, const uint8
       uint16_t h;
       w.half = w.half && float_to_half_exact(s, &h) && float_to_half_exact(o, &h);
     }
-  w.data.assign(static_cast<size_t>(w.groups * w.nb * w.block_bytes()));   // zeroed: code 0 past a block's end
+  if (!w.data.assign(static_cast<size_t>(w.groups * w.nb * w.block_bytes())))   // zeroed: code 0 past a block's end
+    return error(ORT_FAIL, description() + ": out of memory for the repacked weights");
   const int64_t pairs = block_size / 2;
   for (int64_t row = 0; row < n; ++row) {
     const int64_t group = row / kLanes, lane = row % kLanes;
