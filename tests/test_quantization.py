@@ -167,11 +167,12 @@ def test_quantized_linear_keeps_float32_accuracy_on_offset_inputs(op_library, ca
     assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-6
 
 
-@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30])
+@pytest.mark.parametrize("scale", [1e-36, 1e-30, 1.0, 1e30])
 def test_quantized_linear_batch1_keeps_float32_accuracy_at_any_scale(op_library, scale):
     """The batch-1 path at tiny and huge x, with a block of x all zero and one holding a single
-    value (the VNNI build writes x per block as 24-bit integers scaled by a power of two): within
-    float32's error of float64 x @ dequant(W)^T."""
+    value (the VNNI build writes x per block as 32-bit integers scaled by a power of two, which
+    takes more than one float's exponent range at 1e-36): within float32's error of float64
+    x @ dequant(W)^T."""
     q = quantize_weight(random_weight(37, k=256), 4, 32, False)
     x = np.random.default_rng(7).standard_normal((1, q.k)) * scale
     x[0, 32:96] = 0.0
@@ -180,6 +181,34 @@ def test_quantized_linear_batch1_keeps_float32_accuracy_at_any_scale(op_library,
     expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
     got, _ = run_linear(q, x, library=op_library)
     assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-6
+
+
+@pytest.mark.parametrize("case", [(4, 128, False), ("split", 8, 128, False)], ids=["int4-asym", "split8"])
+def test_quantized_linear_batch1_one_value_among_zeros(op_library, case):
+    """x zero but for one value in a 128-wide block: centered, the block is one large value and
+    127 small ones. Written as 24-bit integers (the VNNI build's first form) the small ones lost
+    ~1.5e-5 relative (found by QA); as 32-bit integers, and in the float32 loops, far less."""
+    w = random_weight(64, k=256, seed=1)
+    q = split_8bit(quantize_weight(w, *case[1:])) if case[0] == "split" else quantize_weight(w, *case)
+    worst = 0.0
+    for j in range(0, 256, 9):
+        x = np.zeros((1, 256), np.float32)
+        x[0, j] = 0.7316987
+        expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+        got, _ = run_linear(q, x, library=op_library)
+        worst = max(worst, np.abs(got - expected).max() / np.abs(expected).max())
+    assert worst < 5e-6
+
+
+def test_quantized_linear_batch1_block_sum_past_float32_range(op_library):
+    """All-positive x of 3e36 in 128-wide blocks: their sum passes float32's range, their mean
+    does not. The outputs are finite and right (the kernel's mean once came from the sum: NaN)."""
+    q = quantize_weight(random_weight(16, k=256), 4, 128, False)
+    x = (3e36 * (1 + 0.1 * np.random.default_rng(9).random((1, 256)))).astype(np.float32)
+    expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    got, _ = run_linear(q, x, library=op_library)
+    assert np.isfinite(got).all()
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-5
 
 
 def test_quantized_linear_batch1_propagates_nan_and_inf(op_library):

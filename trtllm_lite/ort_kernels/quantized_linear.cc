@@ -21,21 +21,25 @@
 //   row r's 4 bytes in chunk j holding the codes of columns 8j + i (low nibble) and 8j + 4 + i
 //   (high nibble; code 0 past the block's end); then the block's scale and offset for the 16
 //   rows (float16 when every value is exact there, as GGUF's are; float32 otherwise),
-//   offset = offsets - scale * zero_point (zero points folded). The buffer asks the kernel
-//   for 2 MiB pages (it is streamed whole every step: 4 KiB pages cost a TLB miss each).
+//   offset = offsets - scale * zero_point (zero points folded). The buffers come from shared
+//   slabs on 2 MiB pages (HugePageSlabs: streamed whole every step, 4 KiB pages cost a TLB
+//   miss each).
 //
 //   M = 1 (memory-bound), AVX-512 VNNI: x is centered per block (c = x - mean_b) and written
-//     as 24-bit integers C = round(c * 2^s_b) (s_b: the power of two that puts the block's
-//     largest |c| in [2^22, 2^23)), each as three unsigned bytes of C + 2^23. One vpdpbusd
+//     as 32-bit integers C = round(c * 2^s_b) (s_b: the power of two that puts the block's
+//     largest |c| in [2^30, 2^31)), each as four unsigned bytes of C + 2^31. One vpdpbusd
 //     multiplies four of those bytes by four codes and adds them into each row's int32 sum,
-//     so a 64-byte chunk (128 weights) costs three logic ops and seven vpdpbusd: three
-//     byte planes x two nibbles, and the code sum. The integer sums are exact; the block's
-//     sum_k c_k q_k is then (A0 + 256 A1 + 65536 (A2 - 128 Q)) / 2^s_b, rounded once to
-//     float32, and y += scale * that + mean_b * (scale * Q + block_size * offset) (Q = the
-//     codes' sum; the second factor is the block's weight sum). Against float32 arithmetic,
-//     c is rounded to 2^-23 of the block's largest |c| instead of each value to 2^-24 of its
-//     own, and the sums are not rounded at all. On this kind of CPU (two 512-bit ports) the
-//     float loop below is bound by its permutes at ~15 GB/s a core; this one is not.
+//     so a 64-byte chunk (128 weights) costs three logic ops and nine vpdpbusd: four byte
+//     planes x two nibbles, and the codes' sum. The integer sums are exact; the block's
+//     sum_k c_k q_k is then (A0 + 2^8 A1 + 2^16 A2 + 2^24 (A3 - 128 Q)) / 2^s_b, rounded once
+//     to float32, and y += scale * that + mean_b * (scale * Q + block_size * offset) (Q = the
+//     codes' sum; the second factor is the block's weight sum). Against float32 arithmetic:
+//     each c at 2^-7 of its block's largest or more is exact, smaller ones are rounded to
+//     2^-32 of the largest (float32 would round them to 2^-24 of their own), and the sums are
+//     not rounded at all. (With three planes, 24 bits, a block of one large and many small
+//     values was ~10x float32's error, found by QA; the fourth plane costs ~7% of SmolLM2 int4's
+//     batch-1 speed.) On a CPU with two 512-bit ports the float loop below is bound by its
+//     permutes at ~15 GB/s a core; this one is not.
 //   M = 1 without VNNI: the same centering, in float32: per block t = sum_k c_k q[:, k]
 //     (c broadcast; a code becomes a float by one permute: vpermps reads the low 4 bits of
 //     each index lane, so the 16-entry table {0, 1, ..., 15} turns codes into floats without
@@ -62,6 +66,7 @@ constexpr int64_t kTileRows = 8;    // rows of x per register tile (M > 1)
 constexpr int64_t kRowsPerItem = 64;
 constexpr int64_t kChunkBytes = 64;  // one vector: 16 rows x 8 columns of 4-bit codes
 constexpr int64_t kPrefetchBytes = 8192;   // gemv_group_vnni
+constexpr int kPlanes = 4;   // bytes of x's 32-bit integers (gemv_group_vnni)
 
 // Every node's repacked weights come from shared slabs, 2 MiB-aligned, that ask the kernel for
 // transparent 2 MiB pages (madvise; advice only): the weights are streamed whole every step, and
@@ -162,8 +167,8 @@ struct Step {
   const float* x;      // [M, ldx >= nb * block_size]: x, zero-padded to whole blocks if needed
   const float* means;  // M = 1 (AVX-512 build): [nb] block means of x, which x then holds
                        // centered per block (gemv_group)
-  const uint8_t* planes;   // M = 1 (VNNI): [nb][3][chunks * 8] the byte planes of C + 2^23
-  const float* factors;    // M = 1 (VNNI): [nb] 2^-s_b
+  const uint8_t* planes;   // M = 1 (VNNI): [nb][4][chunks * 8] the byte planes of C + 2^31
+  const float* factors;    // M = 1 (VNNI): [nb][2] 2^-s_b as two factors
   float* y;            // [M, N]
   int64_t rows, ldx;
 };
@@ -199,10 +204,10 @@ inline __mmask16 lanes_mask(const Packed& w, int64_t group) {
 inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float* means, float* centered) {
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * block_size;
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < block_size; ++i) total += xb[i];
-    const float mean = total / static_cast<float>(block_size);
+    const float inv = 1.0f / static_cast<float>(block_size);
+    float mean = 0.0f;   // a sum of x / block_size: a sum of x could overflow where the mean does not
+#pragma omp simd reduction(+ : mean)
+    for (int64_t i = 0; i < block_size; ++i) mean += xb[i] * inv;
     means[b] = mean;
 #pragma omp simd
     for (int64_t i = 0; i < block_size; ++i) centered[b * block_size + i] = xb[i] - mean;
@@ -210,41 +215,55 @@ inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float*
 }
 
 #ifdef __AVX512VNNI__
-// x (one row, centered per block: `centered`) as 24-bit integers, per block b:
-// C = round(c * 2^s_b), s_b putting the largest |c| in [2^22, 2^23) (at most 2^126, so that
-// 2^-s_b stays a normal float), stored as the three bytes of C + 2^23 (planes
-// [nb][3][chunks * 8], columns past the block's end left as they are: their codes are 0);
-// factors[b] = 2^-s_b. A block with a NaN or infinity gets factor NaN, so its outputs are NaN
-// as float32 arithmetic's would be.
-inline void integer_planes(const float* centered, const float* means, int64_t nb, int64_t block_size,
-                           int64_t chunks, uint8_t* planes, float* factors) {
+// x (one row) centered per block and written as 32-bit integers, per block b: means[b] = the
+// block's mean, C = round((x - means[b]) * 2^s_b), s_b putting the block's largest
+// |x - mean| in [2^30, 2^31), stored as the four bytes of C + 2^31 (planes [nb][4][chunks * 8],
+// columns past the block's end left as they are: their codes are 0); 2^-s_b as two factors
+// (factors[2b], factors[2b + 1]; s_b ranges over ~[-97, 179], beyond one float's exponents).
+// A value of x at 2^-7 of its block's largest or more converts exactly (float32 holds 24
+// bits); smaller ones round to 2^-32 of the largest. A block with a NaN or infinity gets factor
+// NaN, so its outputs are NaN as float32 arithmetic's would be.
+inline void integer_planes(const float* x, int64_t nb, int64_t block_size, int64_t chunks, float* means,
+                           uint8_t* planes, float* factors) {
   const int64_t width = chunks * 8;
+  auto lanes = [block_size](int64_t i) {
+    return static_cast<__mmask16>(block_size - i >= 16 ? 0xFFFF : (1u << (block_size - i)) - 1);
+  };
   for (int64_t b = 0; b < nb; ++b) {
-    const float* c = centered + b * block_size;
-    uint8_t* plane = planes + b * 3 * width;
+    const float* xb = x + b * block_size;
+    uint8_t* plane = planes + b * kPlanes * width;
+    // the mean as a sum of x / block_size: a sum of x could overflow where the mean does not
+    const __m512 inv = _mm512_set1_ps(1.0f / static_cast<float>(block_size));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < block_size; i += 16) sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes(i), xb + i), inv, sum);
+    const float mean = _mm512_reduce_add_ps(sum);
+    means[b] = mean;
+    const __m512 mean16 = _mm512_set1_ps(mean);
     __m512 largest = _mm512_setzero_ps();
     for (int64_t i = 0; i < block_size; i += 16) {
-      const __mmask16 m = static_cast<__mmask16>(block_size - i >= 16 ? 0xFFFF : (1u << (block_size - i)) - 1);
-      largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, c + i)));
+      const __mmask16 m = lanes(i);
+      const __m512 c = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, xb + i), mean16);
+      largest = _mm512_max_ps(largest, _mm512_mask_abs_ps(_mm512_setzero_ps(), m, c));
     }
     const float amax = _mm512_reduce_max_ps(largest);
-    if (!std::isfinite(means[b]) || !std::isfinite(amax)) {   // NaN/inf in x: sum or mean not finite
-      factors[b] = std::numeric_limits<float>::quiet_NaN();
+    if (!std::isfinite(mean) || !std::isfinite(amax)) {   // NaN/inf in x (or |x - mean| past float32's range)
+      factors[2 * b] = factors[2 * b + 1] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }
     int e = 0;
     std::frexp(amax, &e);                       // amax < 2^e
-    const int shift = std::min(23 - e, 126);
-    factors[b] = std::ldexp(1.0f, -shift);
-    const __m512 to_int = _mm512_set1_ps(std::ldexp(1.0f, shift));   // exact: a power of two
-    const __m512i bias = _mm512_set1_epi32(1 << 23), top = _mm512_set1_epi32((1 << 24) - 1);
+    const int shift = 31 - e, half = shift / 2;
+    factors[2 * b] = std::ldexp(1.0f, -half);
+    factors[2 * b + 1] = std::ldexp(1.0f, half - shift);
+    // c * 2^s in two exact steps (powers of two): below 2^31 in magnitude, so no clamp
+    const __m512 up1 = _mm512_set1_ps(std::ldexp(1.0f, half)), up2 = _mm512_set1_ps(std::ldexp(1.0f, shift - half));
+    const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
     for (int64_t i = 0; i < block_size; i += 16) {
-      const __mmask16 m = static_cast<__mmask16>(block_size - i >= 16 ? 0xFFFF : (1u << (block_size - i)) - 1);
-      const __m512i v = _mm512_min_epi32(
-          _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, c + i), to_int)), bias), top);
-      _mm512_mask_cvtepi32_storeu_epi8(plane + i, m, v);
-      _mm512_mask_cvtepi32_storeu_epi8(plane + width + i, m, _mm512_srli_epi32(v, 8));
-      _mm512_mask_cvtepi32_storeu_epi8(plane + 2 * width + i, m, _mm512_srli_epi32(v, 16));
+      const __mmask16 m = lanes(i);
+      const __m512 c = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, xb + i), mean16);
+      const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(c, up1), up2)), bias);
+      for (int k = 0; k < kPlanes; ++k)
+        _mm512_mask_cvtepi32_storeu_epi8(plane + k * width + i, m, _mm512_srli_epi32(v, 8 * k));
     }
   }
 }
@@ -269,9 +288,9 @@ void gemv_group_vnni(const Step& st, int64_t group) {
   __m512 acc = _mm512_setzero_ps(), acc_means = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* p = w.block(group, b);
-    const uint8_t* x0 = st.planes + b * 3 * width;
-    const uint8_t *x1 = x0 + width, *x2 = x1 + width;
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, q = a0;
+    const uint8_t* x0 = st.planes + b * kPlanes * width;
+    const uint8_t *x1 = x0 + width, *x2 = x1 + width, *x3 = x2 + width;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, q = a0;
     for (int64_t j = 0; j < w.chunks(); ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(p + j * kChunkBytes + kPrefetchBytes), _MM_HINT_T1);
       const __m512i v = load_chunk(p + j * kChunkBytes);
@@ -279,20 +298,24 @@ void gemv_group_vnni(const Step& st, int64_t group) {
       a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 8 * j), lo);
       a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 8 * j), lo);
       a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 8 * j), lo);
+      a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 8 * j), lo);
       a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 8 * j + 4), hi);
       a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 8 * j + 4), hi);
       a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 8 * j + 4), hi);
+      a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 8 * j + 4), hi);
       q = _mm512_dpbusd_epi32(q, ones, _mm512_add_epi8(lo, hi));
     }
     _mm_prefetch(reinterpret_cast<const char*>(p + w.code_bytes() + kPrefetchBytes), _MM_HINT_T1);
     __m512 scale, offset;
     load_scale_offset<HALF>(p + w.code_bytes(), &scale, &offset);
     const __m512 codes_sum = _mm512_cvtepi32_ps(q);
-    const __m512 top = _mm512_cvtepi32_ps(_mm512_sub_epi32(a2, _mm512_slli_epi32(q, 7)));   // C's bias removed
-    const __m512 t = _mm512_fmadd_ps(top, _mm512_set1_ps(65536.0f),
-                                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(256.0f),
-                                                     _mm512_cvtepi32_ps(a0)));
-    acc = _mm512_fmadd_ps(t, _mm512_mul_ps(scale, _mm512_set1_ps(st.factors[b])), acc);
+    const __m512 top = _mm512_cvtepi32_ps(_mm512_sub_epi32(a3, _mm512_slli_epi32(q, 7)));   // C's bias removed
+    const __m512 t = _mm512_fmadd_ps(
+        top, _mm512_set1_ps(16777216.0f),
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(65536.0f),
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(a0))));
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(st.factors[2 * b])),
+                          _mm512_mul_ps(scale, _mm512_set1_ps(st.factors[2 * b + 1])), acc);
     const __m512 weight_sum = _mm512_fmadd_ps(scale, codes_sum, _mm512_mul_ps(block_size, offset));
     acc_means = _mm512_fmadd_ps(weight_sum, _mm512_set1_ps(st.means[b]), acc_means);
   }
@@ -603,18 +626,19 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     st.ldx = width;
   }
 #ifdef __AVX512F__
-  if (st.rows == 1) {   // centered per block (gemv_group; the portable loops take x as it is)
+  if (st.rows == 1) {   // centered per block (gemv_group*; the portable loops take x as it is)
     means.resize(static_cast<size_t>(nb));
-    centered.resize(static_cast<size_t>(width));
-    center_blocks(st.x, nb, block_size, means.data(), centered.data());
     st.means = means.data();
-    st.x = centered.data();
 #ifdef __AVX512VNNI__
-    planes.resize(static_cast<size_t>(nb * 3 * packed.chunks() * 8));
-    factors.resize(static_cast<size_t>(nb));
-    integer_planes(centered.data(), means.data(), nb, block_size, packed.chunks(), planes.data(), factors.data());
+    planes.resize(static_cast<size_t>(nb * kPlanes * packed.chunks() * 8));
+    factors.resize(static_cast<size_t>(2 * nb));
+    integer_planes(st.x, nb, block_size, packed.chunks(), means.data(), planes.data(), factors.data());
     st.planes = planes.data();
     st.factors = factors.data();
+#else
+    centered.resize(static_cast<size_t>(width));
+    center_blocks(st.x, nb, block_size, means.data(), centered.data());
+    st.x = centered.data();
 #endif
   }
 #endif
