@@ -45,7 +45,8 @@
 //     each index lane, so the 16-entry table {0, 1, ..., 15} turns codes into floats without
 //     masking or converting; the other columns: a shift first).
 //   M > 1 (compute-bound as M grows): w = q * scale + offset (the dequantized float32 weight,
-//     one rounding), then a register tile of up to 8 rows of x x 32 outputs (two groups).
+//     one rounding) for two groups, once per work item of up to 64 rows into a panel in L2,
+//     then register tiles of up to 8 rows of x x 32 outputs over it.
 #include <sys/mman.h>
 
 #include <array>
@@ -358,36 +359,43 @@ void gemv_group(const Step& st, int64_t group) {
   _mm512_mask_storeu_ps(st.y + group * kLanes, lanes_mask(w, group), _mm512_add_ps(acc, acc_means));
 }
 
-// M > 1: ROWS rows of x from r0 x GROUPS (1 or 2) groups from `group`, on the dequantized
-// weights (two groups: two multiply-adds per broadcast of x).
-template <int ROWS, int GROUPS, bool HALF>
-void gemm_tile(const Step& st, int64_t r0, int64_t group) {
-  const Packed& w = *st.w;
+// M > 1: GROUPS (1 or 2) groups from `group`, dequantized once per work item (up to
+// kRowsPerItem rows of x) into a [K][GROUPS * 16] float32 panel, w = q * scale + offset (one
+// rounding): 72-192 KB for SmolLM2's shapes, held in L2 while the row tiles read it.
+template <int GROUPS, bool HALF>
+void dequantize_panel(const Packed& w, int64_t group, float* panel) {
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t b = 0; b < w.nb; ++b)
+    for (int g = 0; g < GROUPS; ++g) {
+      const uint8_t* p = w.block(group + g, b);
+      __m512 scale, offset;
+      load_scale_offset<HALF>(p + w.code_bytes(), &scale, &offset);
+      for (int64_t j = 0; j < w.chunks(); ++j) {
+        const __m512i v = load_chunk(p + j * kChunkBytes);
+        const int columns = static_cast<int>(std::min<int64_t>(8, w.block_size - 8 * j));   // 8, or 4 at the end
+        for (int i = 0; i < columns; ++i)
+          _mm512_storeu_ps(panel + ((b * w.block_size + 8 * j + i) * GROUPS + g) * kLanes,
+                           _mm512_fmadd_ps(column_codes(v, i, table), scale, offset));
+      }
+    }
+}
+
+// ROWS rows of x from r0 x the panel's GROUPS * 16 outputs (two groups: two multiply-adds per
+// broadcast of x).
+template <int ROWS, int GROUPS>
+void panel_tile(const Step& st, const float* panel, int64_t r0, int64_t group) {
+  const Packed& w = *st.w;
   __m512 acc[ROWS][GROUPS];
   for (int r = 0; r < ROWS; ++r)
     for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_setzero_ps();
-  const float* x0 = st.x + r0 * st.ldx;
-  for (int64_t b = 0; b < w.nb; ++b) {
-    const uint8_t* p[GROUPS];
-    __m512 scale[GROUPS], offset[GROUPS];
-    for (int g = 0; g < GROUPS; ++g) {
-      p[g] = w.block(group + g, b);
-      load_scale_offset<HALF>(p[g] + w.code_bytes(), &scale[g], &offset[g]);
-    }
-    const float* x = x0 + b * w.block_size;
-    for (int64_t j = 0; j < w.chunks(); ++j) {
-      __m512i v[GROUPS];
-      for (int g = 0; g < GROUPS; ++g) v[g] = load_chunk(p[g] + j * kChunkBytes);
-      const int columns = static_cast<int>(std::min<int64_t>(8, w.block_size - 8 * j));   // 8, or 4 at the end
-      for (int i = 0; i < columns; ++i) {
-        __m512 weight[GROUPS];
-        for (int g = 0; g < GROUPS; ++g) weight[g] = _mm512_fmadd_ps(column_codes(v[g], i, table), scale[g], offset[g]);
-        for (int r = 0; r < ROWS; ++r) {
-          const __m512 xr = _mm512_set1_ps(x[r * st.ldx + 8 * j + i]);
-          for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_fmadd_ps(weight[g], xr, acc[r][g]);
-        }
-      }
+  const float* x = st.x + r0 * st.ldx;
+  const int64_t width = w.nb * w.block_size;
+  for (int64_t k = 0; k < width; ++k) {
+    __m512 weight[GROUPS];
+    for (int g = 0; g < GROUPS; ++g) weight[g] = _mm512_loadu_ps(panel + (k * GROUPS + g) * kLanes);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * st.ldx + k]);
+      for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_fmadd_ps(weight[g], xr, acc[r][g]);
     }
   }
   for (int g = 0; g < GROUPS; ++g) {
@@ -399,15 +407,19 @@ void gemm_tile(const Step& st, int64_t r0, int64_t group) {
 
 template <int GROUPS, bool HALF>
 void gemm_rows(const Step& st, int64_t r0, int64_t rows, int64_t group) {
-  for (; rows >= kTileRows; rows -= kTileRows, r0 += kTileRows) gemm_tile<kTileRows, GROUPS, HALF>(st, r0, group);
+  thread_local std::vector<float> panel;
+  panel.resize(static_cast<size_t>(st.w->nb * st.w->block_size * GROUPS * kLanes));
+  dequantize_panel<GROUPS, HALF>(*st.w, group, panel.data());
+  const float* p = panel.data();
+  for (; rows >= kTileRows; rows -= kTileRows, r0 += kTileRows) panel_tile<kTileRows, GROUPS>(st, p, r0, group);
   switch (rows) {
-    case 7: return gemm_tile<7, GROUPS, HALF>(st, r0, group);
-    case 6: return gemm_tile<6, GROUPS, HALF>(st, r0, group);
-    case 5: return gemm_tile<5, GROUPS, HALF>(st, r0, group);
-    case 4: return gemm_tile<4, GROUPS, HALF>(st, r0, group);
-    case 3: return gemm_tile<3, GROUPS, HALF>(st, r0, group);
-    case 2: return gemm_tile<2, GROUPS, HALF>(st, r0, group);
-    case 1: return gemm_tile<1, GROUPS, HALF>(st, r0, group);
+    case 7: return panel_tile<7, GROUPS>(st, p, r0, group);
+    case 6: return panel_tile<6, GROUPS>(st, p, r0, group);
+    case 5: return panel_tile<5, GROUPS>(st, p, r0, group);
+    case 4: return panel_tile<4, GROUPS>(st, p, r0, group);
+    case 3: return panel_tile<3, GROUPS>(st, p, r0, group);
+    case 2: return panel_tile<2, GROUPS>(st, p, r0, group);
+    case 1: return panel_tile<1, GROUPS>(st, p, r0, group);
     default: return;
   }
 }
