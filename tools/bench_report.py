@@ -119,8 +119,10 @@ class Report:
         L += [BEGIN, "", "## CPU: the full suite (`tools/bench.py`)", "",
               f"Run {time.strftime('%Y-%m-%d %H:%M')} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB); "
               + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + f"; {self.spec['threads']} threads for every system.",
-              f"Load average {self.load0[0]:.2f} before, {self.load1[0]:.2f} after"
-              + (" (the machine was shared: figures taken under load)" if max(self.load0[0], self.load1[0]) > 0.5 else "")
+              f"Load average {self.load0[0]:.2f} before, {self.load1[0]:.2f} after (the suite's own "
+              f"{self.spec['threads']} threads count in the latter)"
+              + ("; the machine had other work shortly before: figures may be taken under load"
+                 if self.load0[0] > 0.5 else "")
               + ".", "", "```bash",
               (f"GLIBC_TUNABLES={m['glibc_tunables']} " if m.get("glibc_tunables") else "") + "python tools/bench.py",
               "```", ""]
