@@ -57,6 +57,11 @@
 
 #include "kernel_common.h"
 
+// The batch-1 integer path needs AVX-512 VNNI (vpdpbusd) and BW (byte adds and shifts).
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TRTLLM_LITE_VNNI 1
+#endif
+
 namespace trtllm_lite_kernels {
 namespace {
 
@@ -215,7 +220,7 @@ inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float*
   }
 }
 
-#ifdef __AVX512VNNI__
+#ifdef TRTLLM_LITE_VNNI
 // x (one row) centered per block and written as 32-bit integers, per block b: means[b] = the
 // block's mean, C = round((x - means[b]) * 2^s_b), s_b putting the block's largest
 // |x - mean| in [2^30, 2^31), stored as the four bytes of C + 2^31 (planes [nb][4][chunks * 8],
@@ -478,7 +483,7 @@ void run_item(void* user, size_t item) {
 #ifdef __AVX512F__
   if (st.rows == 1) {
     const int64_t group = static_cast<int64_t>(item);
-#ifdef __AVX512VNNI__
+#ifdef TRTLLM_LITE_VNNI
     return w.half ? gemv_group_vnni<true>(st, group) : gemv_group_vnni<false>(st, group);
 #else
     return w.half ? gemv_group<true>(st, group) : gemv_group<false>(st, group);
@@ -641,7 +646,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   if (st.rows == 1) {   // centered per block (gemv_group*; the portable loops take x as it is)
     means.resize(static_cast<size_t>(nb));
     st.means = means.data();
-#ifdef __AVX512VNNI__
+#ifdef TRTLLM_LITE_VNNI
     planes.resize(static_cast<size_t>(nb * kPlanes * packed.chunks() * 8));
     factors.resize(static_cast<size_t>(2 * nb));
     integer_planes(st.x, nb, block_size, packed.chunks(), means.data(), planes.data(), factors.data());
