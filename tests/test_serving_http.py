@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl
 import threading
 import time
 
 import httpx
+
 import pytest
 
 from trtllm_lite import SamplingParams
@@ -189,6 +191,36 @@ def test_bad_json_is_400(server):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] is None
     assert "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_body_over_max_message_bytes_is_413_with_or_without_a_length(server):
+    """A body over the server's message limit (gRPC's --max-message-bytes, 16 MiB by default)
+    is refused before it is parsed, whether it declares its length or comes chunked; the server
+    answers afterwards."""
+    big = b'{"model": "x", "prompt": "' + b"a" * (17 << 20) + b'"}'
+    url = f"http://{server.http}/v1/completions"
+    r = httpx.post(url, content=big, timeout=60, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than 16777216 bytes" in r.json()["error"]["message"]
+    chunked = httpx.post(url, content=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
+                         timeout=60, headers={"content-type": "application/json"})
+    assert chunked.status_code == 413
+    assert httpx.get(f"http://{server.http}/health", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_prompt_longer_than_any_max_seq_len_tokens_is_refused_untokenized(server, route):
+    """10 MiB of text (under the body limit) is more characters than max_seq_len tokens can
+    cover: refused by its length in characters, naming the field, not after tokenizing it
+    (which took ~16 s of the event loop both servers share; found by QA)."""
+    text = "a" * (10 << 20)
+    body = ({"model": "smollm2", "prompt": text, "max_tokens": 2} if route == "completions" else
+            {"model": "smollm2", "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+    r = httpx.post(f"http://{server.http}/v1/{'completions' if route == 'completions' else 'chat/completions'}",
+                   json=body, timeout=120)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert re.search(r"has 1048\d{4} characters: more than \d+ tokens can hold", error["message"])  # chat: + template
+    assert error["param"] == ("prompt" if route == "completions" else "messages")
 
 
 def test_wrong_type_names_the_parameter_not_pydantic_internals(server):

@@ -37,6 +37,11 @@ class Tokenizer:
                                for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         self.eos_token_id = self.hf.token_to_id(self.special_tokens["eos_token"] or "") \
             if self.special_tokens["eos_token"] else None
+        # the most characters of text one token can stand for, bounded from above: a vocabulary
+        # entry's length in its own alphabet (byte-level: one character per byte, never fewer
+        # than the text's characters), times 4 for normalizers that shrink text (NFC
+        # composition, collapsed whitespace)
+        self.max_chars_per_token = 4 * max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1)
 
     @staticmethod
     def _token_str(value) -> str | None:
@@ -48,13 +53,21 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.hf.get_vocab_size()
 
-    def encode(self, text: str, add_special_tokens: bool = True, name: str = "prompt") -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, name: str = "prompt",
+               max_tokens: int | None = None) -> list[int]:
         """Token ids of ``text``.
+
+        ``max_tokens``: text longer than that many tokens could cover
+        (``max_tokens * max_chars_per_token`` characters) is refused before it is tokenized, so
+        a many-megabyte prompt costs no tokenizing time (the caller checks the exact count).
 
         Raises:
             ValueError: ``text`` is not valid Unicode (e.g. a lone surrogate from JSON's
-                ``"\ud800"``); the message names ``name``.
+                ``"\ud800"``), or is too long for ``max_tokens``; the message names ``name``.
         """
+        if max_tokens is not None and len(text) > max_tokens * self.max_chars_per_token:
+            raise ValueError(f"{name} has {len(text)} characters: more than {max_tokens} tokens can hold "
+                             f"(at most {self.max_chars_per_token} characters a token)")
         try:
             return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:

@@ -195,7 +195,7 @@ class LLMEngine:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass the prompt as token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, max_tokens=self.scheduler_config.max_seq_len)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
                 raise TypeError("prompt token ids must be integers")

@@ -140,7 +140,8 @@ class EngineService:
         if not messages:
             raise ValueError("messages is empty")
         text = self.tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False, name="messages")
+        return self.tokenizer.encode(text, add_special_tokens=False, name="messages",
+                                     max_tokens=self.llm.engine.scheduler_config.max_seq_len)
 
     def sampling_params(self, values: Mapping[str, Any]) -> SamplingParams:
         return make_sampling_params(values)

@@ -45,10 +45,42 @@ def error_response(e: BaseException) -> JSONResponse:
 
 
 class Guard:
-    """ASGI middleware: API key on protected routes; 503 while shutting down."""
+    """ASGI middleware: API key on protected routes; 503 while shutting down; 413 for a request
+    body over ``max_body_bytes`` (the gRPC message limit: ``ServerConfig.max_message_bytes``),
+    refused before it is parsed (the body is read here, then handed to the route)."""
 
-    def __init__(self, app, service: EngineService, api_key: str | None):
-        self.app, self.service, self.api_key = app, service, api_key
+    def __init__(self, app, service: EngineService, api_key: str | None, max_body_bytes: int | None = None):
+        self.app, self.service, self.api_key, self.max_body_bytes = app, service, api_key, max_body_bytes
+
+    def _too_large(self) -> JSONResponse:
+        return JSONResponse(oa.error_body(413, f"request body is larger than {self.max_body_bytes} bytes "
+                                               "(--max-message-bytes)"), 413)
+
+    async def _bounded(self, scope, receive, send):
+        """Read the body up to the limit (413 past it), then replay it to the app."""
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await self._too_large()(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":   # the client left
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await self._too_large()(scope, receive, send)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()   # later: the disconnect, for streaming routes
+
+        return await self.app(scope, replay, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -63,6 +95,8 @@ class Guard:
             denied = JSONResponse(oa.error_body(503, "the server is shutting down"), 503)
         if denied is not None:
             return await denied(scope, receive, send)
+        if self.max_body_bytes is not None and scope.get("method") == "POST":
+            return await self._bounded(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -126,12 +160,12 @@ def _sse(obj) -> str:
 class OpenAIServer:
     """The routes, over one :class:`EngineService`."""
 
-    def __init__(self, service: EngineService, api_key: str | None = None):
+    def __init__(self, service: EngineService, api_key: str | None = None, max_body_bytes: int | None = None):
         self.service = service
         app = FastAPI(title="trtllm-lite", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(RequestValidationError, self._invalid)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
-        app.add_middleware(Guard, service=service, api_key=api_key)
+        app.add_middleware(Guard, service=service, api_key=api_key, max_body_bytes=max_body_bytes)
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics)
         app.get("/v1/models")(self.models)
@@ -411,7 +445,7 @@ class HttpFrontEnd:
         import uvicorn
 
         self.config = config
-        self.openai = OpenAIServer(service, config.api_key)
+        self.openai = OpenAIServer(service, config.api_key, config.max_message_bytes)
         self.uvicorn_config = uvicorn.Config(
             self.openai.app, log_level="warning", access_log=False, lifespan="off",
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
