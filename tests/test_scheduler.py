@@ -145,3 +145,33 @@ def test_block_pool_refuses_double_free_and_touching_unallocated_blocks():
     assert list(pool.ref_counts[b]) == [1, 1]
     pool.free(b)
     pool.check()
+
+
+def test_cached_tokens_count_the_first_admissions_prompt_hit_only():
+    """A sequence preempted after generating finds its prompt's and its own output's blocks in
+    the prefix cache when readmitted; its ``num_cached_tokens`` (the usage's cached_tokens)
+    stays what its first admission found, prompt tokens only (QA saw 336 of a 300-token prompt)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    warm = Sequence("warm", list(range(10, 22)), SamplingParams(max_tokens=8))   # 3 full blocks cached
+    assert kv.allocate_slots(warm, 12)
+    warm.num_computed_tokens = 12
+    kv.cache_full_blocks(warm)
+    kv.free(warm)
+
+    seq = Sequence("r", list(range(10, 22)) + [99], SamplingParams(max_tokens=8))   # warm's prompt + 1
+    computed = kv.get_computed_blocks(seq)
+    assert len(computed) == 3 and kv.allocate_slots(seq, 1, computed)
+    assert seq.num_cached_tokens == 12
+    for t in range(100, 108):                       # 8 output tokens: two more full blocks
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(t)
+        assert kv.allocate_slots(seq, 1)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    kv.cache_full_blocks(seq)
+    kv.free(seq)                                    # preempted by recompute
+    seq.block_table, seq.num_computed_tokens, seq.num_registered_blocks = [], 0, 0
+    seq.num_preemptions += 1
+    computed = kv.get_computed_blocks(seq)
+    assert len(computed) == 5                       # prompt and output blocks found again
+    assert kv.allocate_slots(seq, seq.num_tokens - 20, computed)
+    assert seq.num_cached_tokens == 12 <= seq.num_prompt_tokens

@@ -114,7 +114,9 @@ class KVCacheManager:
             seq.block_table.extend(computed)
             seq.num_computed_tokens = start
             seq.num_registered_blocks = len(computed)
-            seq.num_cached_tokens = start
+            if seq.num_preemptions == 0:   # the first admission's hit, prompt tokens only (a
+                # readmitted sequence also finds its own output's blocks: QA saw 336 of 300)
+                seq.num_cached_tokens = min(start, seq.num_prompt_tokens)
         if cow:
             old = seq.block_table[start // b]
             (new,) = self.pool.allocate(1)
