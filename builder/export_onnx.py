@@ -126,7 +126,8 @@ class DecoderGraphWriter:
         C=y)`` when its blocks carry float offsets (Q4_1, split 8-bit). In the ONNX Runtime
         graphs at accuracy level 0 a 4-bit weight is one ``QuantizedLinear`` (or
         ``QuantizedLinearWithOffsets``) node instead, whose C++ kernel replaces both
-        (:mod:`builder.fused_ops`); at other levels MatMulNBits + ``AddBlockOffsets``.
+        (:mod:`builder.fused_ops`; a split 8-bit weight's node says so, ``split_8bit=1``, and
+        its kernel computes it as 8-bit); at other levels MatMulNBits + ``AddBlockOffsets``.
         """
         name, q = prefix + ".weight", self.quantized.get(prefix + ".weight")
         if q is None:
@@ -147,6 +148,8 @@ class DecoderGraphWriter:
                 args += [self.weight(name + ".offsets"),
                          self.block_sum_matrix(q.num_offset_blocks, q.block_size, q.kernel_k)]
             attrs = dict(N=q.n, K=q.kernel_k, block_size=q.block_size, domain=DOMAIN)
+            if q.repeats == 2:    # a split 8-bit weight: the kernel recombines it and reads x once
+                attrs["split_8bit"] = 1
             if not bias:
                 return self.w.op(op_type, *args, outputs=outputs, **attrs)
             return self.w.op("Add", self.w.op(op_type, *args, **attrs), bias, outputs=outputs)

@@ -34,6 +34,11 @@ offsets (GGUF Q4_1's block mins, :mod:`builder.quantize`) added to MatMulNBits' 
       -> x @ dequant(W)^T [+ blocksum(x) @ offsets^T]   [T, N] float32
 
   Body: ``com.microsoft.MatMulNBits`` (accuracy level 0) [then ``AddBlockOffsets``].
+
+  Optional attribute ``split_8bit`` (``QuantizedLinearWithOffsets``): 1 when the weight is an
+  8-bit one split into two 4-bit halves (:func:`builder.quantize.split_8bit`) and x is
+  ``[a, a]``; the kernel then recombines the 8-bit codes once and computes ``a @ W^T`` (fewer
+  bytes and half the multiply-adds). The body ignores it: the same result for such an x.
 """
 from __future__ import annotations
 
@@ -123,5 +128,5 @@ def make_quantized_linear_functions(opset: int | None = None) -> list:
     with_offsets = helper.make_function(
         DOMAIN, QUANTIZED_LINEAR_OFFSETS_OP_TYPE,
         ["x", "qweight", "scales", "zero_points", "offsets", "block_sum_matrix"], ["output"],
-        [matmul_nbits("y"), offsets], opsets, attributes=list(QUANTIZED_LINEAR_ATTRIBUTES))
+        [matmul_nbits("y"), offsets], opsets, attributes=[*QUANTIZED_LINEAR_ATTRIBUTES, "split_8bit"])
     return [plain, with_offsets]

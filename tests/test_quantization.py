@@ -250,6 +250,41 @@ def test_quantized_linear_rejects_mismatched_shapes(kernel_library):
         sess.run(None, dict(feed, zero_points=np.full(36, 0x88, np.uint8)))
 
 
+def test_split_8bit_node_reads_x_once_as_an_8bit_weight(kernel_library):
+    """A ``split_8bit`` node (the exporter's form of a split 8-bit weight, e.g. SmolLM2's Q8_0
+    lm_head) gives the 8-bit weight's product with x's first half (x = [a, a]), and one whose
+    halves' scales are not 16:1 fails with the node named."""
+    from builder.fused_ops import QUANTIZED_LINEAR_OFFSETS_OP_TYPE, make_quantized_linear_functions
+    from builder.paged_attention import DOMAIN
+
+    q8 = quantize_weight(random_weight(37, k=128), 8, 32, False)
+    q = split_8bit(q8)
+    node = helper.make_node(QUANTIZED_LINEAR_OFFSETS_OP_TYPE,
+                            ["x", "qweight", "scales", "zero_points", "offsets", "block_sum_matrix"], ["y"],
+                            domain=DOMAIN, N=37, K=256, block_size=32, split_8bit=1)
+    types = {"x": TensorProto.FLOAT, "qweight": TensorProto.UINT8, "scales": TensorProto.FLOAT,
+             "zero_points": TensorProto.UINT8, "offsets": TensorProto.FLOAT, "block_sum_matrix": TensorProto.FLOAT}
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in types.items()],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, functions=make_quantized_linear_functions(),
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1),
+                                             helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(kernel_library)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    a = np.random.default_rng(3).standard_normal((2, 128)).astype(np.float32)
+    feed = {"x": np.concatenate([a, a], axis=1), "qweight": q.qweight.reshape(37, 8, 16), "scales": q.scales,
+            "zero_points": np.full(37 * 4, 0x88, np.uint8), "offsets": q.offsets,
+            "block_sum_matrix": np.zeros((256, 4), np.float32)}
+    expected = a.astype(np.float64) @ q8.dequantize().astype(np.float64).T
+    np.testing.assert_allclose(sess.run(None, feed)[0], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    bad = q.scales.copy()
+    bad[5, 1] *= 1.5
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match=r"split_8bit\): row 5, block 1"):
+        sess.run(None, dict(feed, scales=bad))
+
+
 def test_build_options_are_validated():
     for bad, name in ((dict(quantization="int3"), "--quantization"),
                       (dict(quantization="int4", quant_block_size=24), "--quant-block-size"),

@@ -93,8 +93,9 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
     ``streamed``: for an engine built at accuracy level 0, whose 4-bit weights the
     ``QuantizedLinear`` kernel reads in its own layout, count that layout (per 16 rows and
     block: the codes, then 16 scales and 16 offsets, float16 for GGUF weights, float32
-    otherwise: ``trtllm_lite/ort_kernels/quantized_linear.cc``), not the engine's tensors
-    (float32 scales and offsets, zero points). Otherwise the engine's tensors.
+    otherwise; a split 8-bit weight recombined into 8-bit codes:
+    ``trtllm_lite/ort_kernels/quantized_linear.cc``), not the engine's tensors (float32 scales
+    and offsets, zero points). Otherwise the engine's tensors.
     """
     tensors = manifest["weights"]["tensors"]
     tied = manifest["model"]["tie_word_embeddings"]
@@ -112,6 +113,8 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
             if part == "qweight":   # 4-bit codes: a QuantizedLinear node (8-bit ones stay MatMulNBits)
                 n, nb, code_bytes = t["shape"]
                 scale_bytes = 2 if sources[weight].startswith("gguf:") else 4
+                if sources[weight].endswith("+split"):   # recombined: 8-bit codes over half the blocks
+                    nb, code_bytes = nb // 2, 2 * code_bytes
                 total += -(-n // 16) * 16 * nb * (code_bytes + 2 * scale_bytes)
             continue
         total += t["nbytes"]

@@ -208,6 +208,15 @@ inline OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int
       info, name, out);
 }
 
+// An optional int attribute: `fallback` where the node does not have it.
+inline OrtStatus* int_attribute_or(const OrtKernelInfo* info, const char* name, int64_t fallback, int64_t* out) {
+  if (OrtStatus* status = int_attribute(info, name, out)) {
+    slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(status);
+    *out = fallback;
+  }
+  return nullptr;
+}
+
 inline OrtStatus* new_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
                              float** data) {
   OrtValue* value = nullptr;

@@ -154,16 +154,20 @@ class SlabBytes {
 // One node's weights, repacked (layout above).
 struct Packed {
   int64_t n = 0, nb = 0, block_size = 0, groups = 0;
+  int bits = 4;                      // 8: a split 8-bit weight, recombined (Kernel::pack)
   bool half = false;                 // scales and offsets stored as float16
   SlabBytes data;
-  int64_t chunks() const { return (block_size + 7) / 8; }          // 8 columns x 16 rows each
+  int64_t columns() const { return bits == 4 ? 8 : 4; }           // columns per chunk (x 16 rows)
+  int64_t chunks() const { return (block_size + columns() - 1) / columns(); }
+  int64_t width() const { return chunks() * columns(); }          // a block's columns, padded
   int64_t code_bytes() const { return chunks() * kChunkBytes; }
   int64_t block_bytes() const { return code_bytes() + 2 * kLanes * (half ? 2 : 4); }
   const uint8_t* block(int64_t group, int64_t b) const { return data.data() + (group * nb + b) * block_bytes(); }
 };
 
 // Column k's code of row `lane` in a repacked block (layout above).
-inline int code_at(const uint8_t* block, int64_t lane, int64_t k) {
+inline int code_at(const Packed& w, const uint8_t* block, int64_t lane, int64_t k) {
+  if (w.bits == 8) return static_cast<int8_t>(block[k / 4 * kChunkBytes + lane * 4 + k % 4]);
   const uint8_t byte = block[k / 8 * kChunkBytes + lane * 4 + k % 4];
   return k % 8 < 4 ? byte & 15 : byte >> 4;
 }
@@ -186,6 +190,14 @@ constexpr int kColumnShift[8] = {0, 8, 16, 24, 4, 12, 20, 28};
 
 inline __m512 column_codes(__m512i chunk, int i, __m512 table) {
   return _mm512_permutexvar_ps(_mm512_srli_epi32(chunk, kColumnShift[i]), table);
+}
+// Column 4j + i of an 8-bit chunk (byte i of each row's lane, signed).
+inline __m512 column_codes8(__m512i chunk, int i) {
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(chunk, 24 - 8 * i), 24));
+}
+template <int BITS>
+inline __m512 chunk_column(__m512i chunk, int i, __m512 table) {
+  return BITS == 4 ? column_codes(chunk, i, table) : column_codes8(chunk, i);
 }
 inline __m512i load_chunk(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
@@ -223,15 +235,14 @@ inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float*
 #ifdef TRTLLM_LITE_VNNI
 // x (one row) centered per block and written as 32-bit integers, per block b: means[b] = the
 // block's mean, C = round((x - means[b]) * 2^s_b), s_b putting the block's largest
-// |x - mean| in [2^30, 2^31), stored as the four bytes of C + 2^31 (planes [nb][4][chunks * 8],
+// |x - mean| in [2^30, 2^31), stored as the four bytes of C + 2^31 (planes [nb][4][width],
 // columns past the block's end left as they are: their codes are 0); 2^-s_b as two factors
 // (factors[2b], factors[2b + 1]; s_b ranges over ~[-97, 179], beyond one float's exponents).
 // A value of x at 2^-7 of its block's largest or more converts exactly (float32 holds 24
 // bits); smaller ones round to 2^-32 of the largest. A block with a NaN or infinity gets factor
 // NaN, so its outputs are NaN as float32 arithmetic's would be.
-inline void integer_planes(const float* x, int64_t nb, int64_t block_size, int64_t chunks, float* means,
+inline void integer_planes(const float* x, int64_t nb, int64_t block_size, int64_t width, float* means,
                            uint8_t* planes, float* factors) {
-  const int64_t width = chunks * 8;
   auto lanes = [block_size](int64_t i) {
     return static_cast<__mmask16>(block_size - i >= 16 ? 0xFFFF : (1u << (block_size - i)) - 1);
   };
@@ -284,11 +295,12 @@ inline __m512i broadcast4(const uint8_t* p) {
 // group's weights is prefetched into L2 kPrefetchBytes ahead: SmolLM2 int4 batch 1 on a 2-core
 // Xeon VM went ~140 -> ~180 -> ~222 tokens/s at 0 / 2 / 8 KiB (flat to 32 KiB; the hardware
 // prefetcher alone keeps too few lines in flight there; into L1: no better, non-temporal:
-// half the speed).
-template <bool HALF>
+// half the speed). 4-bit chunks: three logic ops and nine vpdpbusd per 128 weights; 8-bit
+// (signed bytes): five vpdpbusd per 64.
+template <bool HALF, int BITS>
 void gemv_group_vnni(const Step& st, int64_t group) {
   const Packed& w = *st.w;
-  const int64_t width = w.chunks() * 8;
+  const int64_t width = w.width();
   const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
   const __m512 block_size = _mm512_set1_ps(static_cast<float>(w.block_size));
   __m512 acc = _mm512_setzero_ps(), acc_means = _mm512_setzero_ps();
@@ -300,6 +312,14 @@ void gemv_group_vnni(const Step& st, int64_t group) {
     for (int64_t j = 0; j < w.chunks(); ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(p + j * kChunkBytes + kPrefetchBytes), _MM_HINT_T1);
       const __m512i v = load_chunk(p + j * kChunkBytes);
+      if (BITS == 8) {   // codes are signed bytes: x's unsigned planes times them as they are
+        a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 4 * j), v);
+        a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 4 * j), v);
+        a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 4 * j), v);
+        a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 4 * j), v);
+        q = _mm512_dpbusd_epi32(q, ones, v);
+        continue;
+      }
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 8 * j), lo);
       a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 8 * j), lo);
@@ -335,8 +355,9 @@ void gemv_group_vnni(const Step& st, int64_t group) {
 // + offset_b * blocksum_b, whose two terms cancel when x has a large common part (an input of
 // mean 50 lost 1.8e-5 to 6.9e-5 relative that way, against ~4e-7 for float32 x @ w); centered,
 // the error is float32 x @ w's. The code sums ride on the adders, beside the multiply-adds.
-template <bool HALF>
+template <bool HALF, int BITS>
 void gemv_group(const Step& st, int64_t group) {
+  constexpr int kColumns = BITS == 4 ? 8 : 4;
   const Packed& w = *st.w;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 block_size = _mm512_set1_ps(static_cast<float>(w.block_size));
@@ -348,10 +369,10 @@ void gemv_group(const Step& st, int64_t group) {
     __m512 q[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t j = 0; j < w.chunks(); ++j) {
       const __m512i v = load_chunk(p + j * kChunkBytes);
-      const int columns = static_cast<int>(std::min<int64_t>(8, w.block_size - 8 * j));   // 8, or 4 at the end
-      for (int i = 0; i < columns; ++i) {   // columns 8j + i: four chains
-        const __m512 c = column_codes(v, i, table);
-        t[i % 4] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[8 * j + i]), t[i % 4]);
+      const int columns = static_cast<int>(std::min<int64_t>(kColumns, w.block_size - kColumns * j));
+      for (int i = 0; i < columns; ++i) {   // columns kColumns * j + i: four chains
+        const __m512 c = chunk_column<BITS>(v, i, table);
+        t[i % 4] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[kColumns * j + i]), t[i % 4]);
         q[i % 2] = _mm512_add_ps(q[i % 2], c);
       }
     }
@@ -367,8 +388,9 @@ void gemv_group(const Step& st, int64_t group) {
 // M > 1: GROUPS (1 or 2) groups from `group`, dequantized once per work item (up to
 // kRowsPerItem rows of x) into a [K][GROUPS * 16] float32 panel, w = q * scale + offset (one
 // rounding): 72-192 KB for SmolLM2's shapes, held in L2 while the row tiles read it.
-template <int GROUPS, bool HALF>
+template <int GROUPS, bool HALF, int BITS>
 void dequantize_panel(const Packed& w, int64_t group, float* panel) {
+  constexpr int kColumns = BITS == 4 ? 8 : 4;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t b = 0; b < w.nb; ++b)
     for (int g = 0; g < GROUPS; ++g) {
@@ -377,10 +399,10 @@ void dequantize_panel(const Packed& w, int64_t group, float* panel) {
       load_scale_offset<HALF>(p + w.code_bytes(), &scale, &offset);
       for (int64_t j = 0; j < w.chunks(); ++j) {
         const __m512i v = load_chunk(p + j * kChunkBytes);
-        const int columns = static_cast<int>(std::min<int64_t>(8, w.block_size - 8 * j));   // 8, or 4 at the end
+        const int columns = static_cast<int>(std::min<int64_t>(kColumns, w.block_size - kColumns * j));
         for (int i = 0; i < columns; ++i)
-          _mm512_storeu_ps(panel + ((b * w.block_size + 8 * j + i) * GROUPS + g) * kLanes,
-                           _mm512_fmadd_ps(column_codes(v, i, table), scale, offset));
+          _mm512_storeu_ps(panel + ((b * w.block_size + kColumns * j + i) * GROUPS + g) * kLanes,
+                           _mm512_fmadd_ps(chunk_column<BITS>(v, i, table), scale, offset));
       }
     }
 }
@@ -410,11 +432,11 @@ void panel_tile(const Step& st, const float* panel, int64_t r0, int64_t group) {
   }
 }
 
-template <int GROUPS, bool HALF>
+template <int GROUPS, bool HALF, int BITS>
 void gemm_rows(const Step& st, int64_t r0, int64_t rows, int64_t group) {
   thread_local std::vector<float> panel;
   panel.resize(static_cast<size_t>(st.w->nb * st.w->block_size * GROUPS * kLanes));
-  dequantize_panel<GROUPS, HALF>(*st.w, group, panel.data());
+  dequantize_panel<GROUPS, HALF, BITS>(*st.w, group, panel.data());
   const float* p = panel.data();
   for (; rows >= kTileRows; rows -= kTileRows, r0 += kTileRows) panel_tile<kTileRows, GROUPS>(st, p, r0, group);
   switch (rows) {
@@ -429,10 +451,10 @@ void gemm_rows(const Step& st, int64_t r0, int64_t rows, int64_t group) {
   }
 }
 
-template <bool HALF>
+template <bool HALF, int BITS>
 void gemm_item(const Step& st, int64_t r0, int64_t rows, int64_t group) {
-  if (group + 1 < st.w->groups) return gemm_rows<2, HALF>(st, r0, rows, group);
-  return gemm_rows<1, HALF>(st, r0, rows, group);
+  if (group + 1 < st.w->groups) return gemm_rows<2, HALF, BITS>(st, r0, rows, group);
+  return gemm_rows<1, HALF, BITS>(st, r0, rows, group);
 }
 #endif
 
@@ -464,7 +486,7 @@ float offset_at(const Packed& w, const uint8_t* p, int lane) {
         const float scale = scale_at(w, p, lane), offset = offset_at(w, p, lane);
         const float* x = st.x + r * st.ldx + b * w.block_size;
         for (int64_t k = 0; k < w.block_size; ++k)
-          total += x[k] * std::fma(static_cast<float>(code_at(p, lane, k)), scale, offset);
+          total += x[k] * std::fma(static_cast<float>(code_at(w, p, lane, k)), scale, offset);
       }
       st.y[r * w.n + group * kLanes + lane] = total;
     }
@@ -481,16 +503,20 @@ void run_item(void* user, size_t item) {
   const int64_t r0 = static_cast<int64_t>(item) / per_row_chunk * kRowsPerItem;
   const int64_t rows = std::min(kRowsPerItem, st.rows - r0);
 #ifdef __AVX512F__
+  // the loops for this node's layout: float16 or float32 scales, 4- or 8-bit codes
   if (st.rows == 1) {
     const int64_t group = static_cast<int64_t>(item);
 #ifdef TRTLLM_LITE_VNNI
-    return w.half ? gemv_group_vnni<true>(st, group) : gemv_group_vnni<false>(st, group);
+    if (w.bits == 8) return w.half ? gemv_group_vnni<true, 8>(st, group) : gemv_group_vnni<false, 8>(st, group);
+    return w.half ? gemv_group_vnni<true, 4>(st, group) : gemv_group_vnni<false, 4>(st, group);
 #else
-    return w.half ? gemv_group<true>(st, group) : gemv_group<false>(st, group);
+    if (w.bits == 8) return w.half ? gemv_group<true, 8>(st, group) : gemv_group<false, 8>(st, group);
+    return w.half ? gemv_group<true, 4>(st, group) : gemv_group<false, 4>(st, group);
 #endif
   }
   const int64_t group = static_cast<int64_t>(item) % per_row_chunk * 2;
-  return w.half ? gemm_item<true>(st, r0, rows, group) : gemm_item<false>(st, r0, rows, group);
+  if (w.bits == 8) return w.half ? gemm_item<true, 8>(st, r0, rows, group) : gemm_item<false, 8>(st, r0, rows, group);
+  return w.half ? gemm_item<true, 4>(st, r0, rows, group) : gemm_item<false, 4>(st, r0, rows, group);
 #else
   const int64_t group = st.rows == 1 ? static_cast<int64_t>(item) : static_cast<int64_t>(item) % per_row_chunk * 2;
   for (int64_t g = group; g < std::min(w.groups, group + (st.rows == 1 ? 1 : 2)); ++g) portable_rows(st, r0, rows, g);
@@ -500,18 +526,21 @@ void run_item(void* user, size_t item) {
 struct Kernel : KernelBase {
   bool with_offsets = false;
   int64_t n = 0, kernel_k = 0, block_size = 0;
+  int64_t split_8bit = 0;   // 1: an 8-bit weight split into two 4-bit halves, x = [a, a] (file comment)
   std::mutex mutex;
   std::array<const void*, 4> packed_from{};   // the weight inputs' data `packed` was made from
   size_t num_weights() const { return with_offsets ? 4 : 3; }
   std::string description() const {   // for errors: the op and its attributes
     return std::string(with_offsets ? "QuantizedLinearWithOffsets" : "QuantizedLinear") + " (N " + std::to_string(n) +
-           ", K " + std::to_string(kernel_k) + ", block_size " + std::to_string(block_size) + ")";
+           ", K " + std::to_string(kernel_k) + ", block_size " + std::to_string(block_size) +
+           (split_8bit ? ", split_8bit" : "") + ")";
   }
   Packed packed;
   OrtStatus* compute(OrtKernelContext* context) override;
   OrtStatus* check_and_pack(OrtKernelContext* context);
   OrtStatus* pack(const uint8_t* qweight, const float* scales, const uint8_t* zero_points, const float* offsets,
                   int64_t nbo);
+  OrtStatus* pack_split(const uint8_t* qweight, const std::vector<float>& scale, const std::vector<float>& offset);
 };
 
 // The repacked layout (file comment) from MatMulNBits' tensors; offsets folded per block:
@@ -537,6 +566,8 @@ OrtStatus* Kernel::pack(const uint8_t* qweight, const float* scales, const uint8
       uint16_t h;
       w.half = w.half && float_to_half_exact(s, &h) && float_to_half_exact(o, &h);
     }
+  if (split_8bit) return pack_split(qweight, scale, offset);
+  w.bits = 4;
   if (!w.data.assign(static_cast<size_t>(w.groups * w.nb * w.block_bytes())))   // zeroed: code 0 past a block's end
     return error(ORT_FAIL, description() + ": out of memory for the repacked weights");
   const int64_t pairs = block_size / 2;
@@ -551,6 +582,63 @@ OrtStatus* Kernel::pack(const uint8_t* qweight, const float* scales, const uint8
       }
       uint8_t* s = p + w.code_bytes();
       const float sv = scale[row * w.nb + b], ov = offset[row * w.nb + b];
+      if (w.half) {
+        uint16_t hs = 0, ho = 0;
+        float_to_half_exact(sv, &hs);
+        float_to_half_exact(ov, &ho);
+        std::memcpy(s + 2 * lane, &hs, 2);
+        std::memcpy(s + 2 * kLanes + 2 * lane, &ho, 2);
+      } else {
+        std::memcpy(s + 4 * lane, &sv, 4);
+        std::memcpy(s + 4 * kLanes + 4 * lane, &ov, 4);
+      }
+    }
+  }
+  return nullptr;
+}
+
+// A split 8-bit weight (builder/quantize.py split_8bit) recombined into the 8-bit layout: of
+// the 2 nb 4-bit blocks per row, block b holds the high nibbles h (scale 16 s), block nb + b the
+// low ones l (scale s), so with u = 16 h + l the weight is s * (u - 128) + offset8, offset8 =
+// offset[b] + offset[nb + b] + 128 s (the folded offsets of both halves). Codes are stored as
+// the signed bytes u - 128. `scale` / `offset`: the 4-bit blocks' ([N, 2 nb], Kernel::pack).
+OrtStatus* Kernel::pack_split(const uint8_t* qweight, const std::vector<float>& scale,
+                              const std::vector<float>& offset) {
+  Packed& w = packed;
+  const int64_t nb4 = w.nb, nb = nb4 / 2;
+  w.bits = 8;
+  w.nb = nb;
+  std::vector<float> scale8(static_cast<size_t>(n * nb)), offset8(scale8.size());
+  w.half = true;
+  for (int64_t row = 0; row < n; ++row)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float high = scale[row * nb4 + b], low = scale[row * nb4 + nb + b];
+      if (high != 16.0f * low)
+        return error(ORT_INVALID_ARGUMENT, description() + ": row " + std::to_string(row) + ", block " +
+                                               std::to_string(b) + ": the high half's scale is not 16x the low half's");
+      const double o = static_cast<double>(offset[row * nb4 + b]) + offset[row * nb4 + nb + b] + 128.0 * low;
+      scale8[row * nb + b] = low;
+      offset8[row * nb + b] = static_cast<float>(o);
+      uint16_t h;
+      w.half = w.half && float_to_half_exact(low, &h) && float_to_half_exact(offset8[row * nb + b], &h);
+    }
+  if (!w.data.assign(static_cast<size_t>(w.groups * w.nb * w.block_bytes())))
+    return error(ORT_FAIL, description() + ": out of memory for the repacked weights");
+  const int64_t pairs = block_size / 2;
+  auto code4 = [&](int64_t row, int64_t b, int64_t k) {
+    const uint8_t byte = qweight[(row * nb4 + b) * pairs + k / 2];
+    return k % 2 ? byte >> 4 : byte & 15;
+  };
+  for (int64_t row = 0; row < n; ++row) {
+    const int64_t group = row / kLanes, lane = row % kLanes;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* p = const_cast<uint8_t*>(w.block(group, b));
+      for (int64_t k = 0; k < block_size; ++k) {
+        const int u = 16 * code4(row, b, k) + code4(row, nb + b, k);
+        p[k / 4 * kChunkBytes + lane * 4 + k % 4] = static_cast<uint8_t>(static_cast<int8_t>(u - 128));
+      }
+      uint8_t* s = p + w.code_bytes();
+      const float sv = scale8[row * nb + b], ov = offset8[row * nb + b];
       if (w.half) {
         uint16_t hs = 0, ho = 0;
         float_to_half_exact(sv, &hs);
@@ -590,6 +678,9 @@ OrtStatus* Kernel::check_and_pack(OrtKernelContext* context) {
                      " are not [N, nb, block_size / 2], [N, nb], [N, ceil(nb / 2)]" +
                      (with_offsets ? ", [N, nbo <= K / block_size]" : "") +
                      " (nb = ceil(K / block_size), block_size a multiple of 4)");
+  if (split_8bit && (kernel_k % (2 * block_size) || !with_offsets || nbo != nb / 2))
+    return error(ORT_INVALID_ARGUMENT, description() + ": a split 8-bit weight needs K a multiple of 2 x block_size "
+                                                       "and offsets [N, K / 2 / block_size]");
   const uint8_t *q = nullptr, *z = nullptr;
   const float *s = nullptr, *o = nullptr;
   RETURN_IF_ERROR(data_of(qweight.value, &q));
@@ -629,13 +720,14 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   st.rows = x.dims[0];
   RETURN_IF_ERROR(new_output(context, 0, {st.rows, n}, &st.y));
   if (st.rows == 0) return nullptr;
-  // x zero-padded to whole blocks where K is not a multiple of the block size
+  // x zero-padded to whole blocks where K is not a multiple of the block size (a split 8-bit
+  // weight reads x's first half: x = [a, a])
   const int64_t nb = packed.nb, width = nb * block_size;
   thread_local std::vector<float> x_buffer, means, centered, factors;
   thread_local std::vector<uint8_t> planes;
   st.x = x_data;
   st.ldx = kernel_k;
-  if (width != kernel_k) {
+  if (width != (split_8bit ? kernel_k / 2 : kernel_k)) {
     x_buffer.assign(static_cast<size_t>(st.rows * width), 0.0f);
     for (int64_t r = 0; r < st.rows; ++r)
       std::memcpy(x_buffer.data() + r * width, x_data + r * kernel_k, sizeof(float) * kernel_k);
@@ -647,9 +739,9 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     means.resize(static_cast<size_t>(nb));
     st.means = means.data();
 #ifdef TRTLLM_LITE_VNNI
-    planes.resize(static_cast<size_t>(nb * kPlanes * packed.chunks() * 8));
+    planes.resize(static_cast<size_t>(nb * kPlanes * packed.width()));
     factors.resize(static_cast<size_t>(2 * nb));
-    integer_planes(st.x, nb, block_size, packed.chunks(), means.data(), planes.data(), factors.data());
+    integer_planes(st.x, nb, block_size, packed.width(), means.data(), planes.data(), factors.data());
     st.planes = planes.data();
     st.factors = factors.data();
 #else
@@ -674,6 +766,7 @@ OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
     k.with_offsets = WITH_OFFSETS;
     RETURN_IF_ERROR(int_attribute(info, "N", &k.n));
     RETURN_IF_ERROR(int_attribute(info, "K", &k.kernel_k));
+    RETURN_IF_ERROR(int_attribute_or(info, "split_8bit", 0, &k.split_8bit));
     return int_attribute(info, "block_size", &k.block_size);
   });
 }
