@@ -426,7 +426,12 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     return nullptr;
   }
 #endif
-  return parallel_for(context, attend, static_cast<size_t>(S * Hkv / step.heads_per_item), &step);
+  // one thread below ~64 KiB of keys and values (waking the pool costs more than it saves: the
+  // rule of QuantizedLinear's batch 1)
+  int64_t kv_bytes = 0;
+  for (int64_t s = 0; s < S; ++s) kv_bytes += step.context_lens[s] * Hkv * D * 2 * static_cast<int64_t>(sizeof(float));
+  return parallel_for(context, attend, static_cast<size_t>(S * Hkv / step.heads_per_item), &step,
+                      kv_bytes < (64 << 10));
 }
 
 OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
