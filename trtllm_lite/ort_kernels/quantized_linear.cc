@@ -25,6 +25,13 @@
 //   slabs on 2 MiB pages (HugePageSlabs: streamed whole every step, 4 KiB pages cost a TLB
 //   miss each).
 //
+//   split_8bit = 1 (QuantizedLinearWithOffsets only): the weight is an 8-bit one split into two
+//   4-bit halves (builder/quantize.py split_8bit: K = 2 K8, x = [a, a]); it is recombined once
+//   into chunks of [16 rows][4 bytes], byte i holding column 4j + i's code as a signed byte
+//   (u - 128), with one scale and offset per 16 rows and block (Kernel::pack_split), and y =
+//   a @ W8^T reads a = x's first K8 columns: 36 bytes per 32 weights where the halves took 40,
+//   and five vpdpbusd per 64 weights at batch 1 where the halves took 13 per 128 codes.
+//
 //   M = 1 (memory-bound), AVX-512 VNNI: x is centered per block (c = x - mean_b) and written
 //     as 32-bit integers C = round(c * 2^s_b) (s_b: the power of two that puts the block's
 //     largest |c| in [2^30, 2^31)), each as four unsigned bytes of C + 2^31. One vpdpbusd
