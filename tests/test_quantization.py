@@ -222,9 +222,25 @@ def test_quantized_linear_batch1_propagates_nan_and_inf(op_library):
         assert not np.isfinite(got).any(), bad
 
 
+def one_node_session(node, types: dict, library: str) -> ort.InferenceSession:
+    """A session of the one kernel-library ``node`` (inputs named and typed by ``types``,
+    output ``y``), its functions' bodies attached."""
+    from builder.fused_ops import make_quantized_linear_functions
+    from builder.paged_attention import DOMAIN
+
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in types.items()],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, functions=make_quantized_linear_functions(),
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1),
+                                             helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(library)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
 def test_quantized_linear_rejects_mismatched_shapes(kernel_library):
     """A node whose tensors do not fit its attributes fails with the shapes named."""
-    from builder.fused_ops import QUANTIZED_LINEAR_OP_TYPE, make_quantized_linear_functions
+    from builder.fused_ops import QUANTIZED_LINEAR_OP_TYPE
     from builder.paged_attention import DOMAIN
 
     q = quantize_weight(random_weight(37, k=64), 4, 32, True)
@@ -232,14 +248,7 @@ def test_quantized_linear_rejects_mismatched_shapes(kernel_library):
                             domain=DOMAIN, N=37, K=64, block_size=32)
     types = {"x": TensorProto.FLOAT, "qweight": TensorProto.UINT8, "scales": TensorProto.FLOAT,
              "zero_points": TensorProto.UINT8}
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in types.items()],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, functions=make_quantized_linear_functions(),
-                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1),
-                                             helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(kernel_library)
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = one_node_session(node, types, kernel_library)
     feed = {"x": np.ones((2, 64), np.float32), "qweight": q.qweight.reshape(37, 2, 16), "scales": q.scales,
             "zero_points": np.full(37, 0x88, np.uint8)}
     expected = feed["x"] @ q.dequantize().T
@@ -254,7 +263,7 @@ def test_split_8bit_node_reads_x_once_as_an_8bit_weight(kernel_library):
     """A ``split_8bit`` node (the exporter's form of a split 8-bit weight, e.g. SmolLM2's Q8_0
     lm_head) gives the 8-bit weight's product with x's first half (x = [a, a]), and one whose
     halves' scales are not 16:1 fails with the node named."""
-    from builder.fused_ops import QUANTIZED_LINEAR_OFFSETS_OP_TYPE, make_quantized_linear_functions
+    from builder.fused_ops import QUANTIZED_LINEAR_OFFSETS_OP_TYPE
     from builder.paged_attention import DOMAIN
 
     q8 = quantize_weight(random_weight(37, k=128), 8, 32, False)
@@ -264,14 +273,7 @@ def test_split_8bit_node_reads_x_once_as_an_8bit_weight(kernel_library):
                             domain=DOMAIN, N=37, K=256, block_size=32, split_8bit=1)
     types = {"x": TensorProto.FLOAT, "qweight": TensorProto.UINT8, "scales": TensorProto.FLOAT,
              "zero_points": TensorProto.UINT8, "offsets": TensorProto.FLOAT, "block_sum_matrix": TensorProto.FLOAT}
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in types.items()],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, functions=make_quantized_linear_functions(),
-                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1),
-                                             helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(kernel_library)
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = one_node_session(node, types, kernel_library)
     a = np.random.default_rng(3).standard_normal((2, 128)).astype(np.float32)
     feed = {"x": np.concatenate([a, a], axis=1), "qweight": q.qweight.reshape(37, 8, 16), "scales": q.scales,
             "zero_points": np.full(37 * 4, 0x88, np.uint8), "offsets": q.offsets,
@@ -280,7 +282,7 @@ def test_split_8bit_node_reads_x_once_as_an_8bit_weight(kernel_library):
     np.testing.assert_allclose(sess.run(None, feed)[0], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     bad = q.scales.copy()
     bad[5, 1] *= 1.5
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = one_node_session(node, types, kernel_library)
     with pytest.raises(Exception, match=r"split_8bit\): row 5, block 1"):
         sess.run(None, dict(feed, scales=bad))
 

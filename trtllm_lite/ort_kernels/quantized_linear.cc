@@ -550,6 +550,21 @@ struct Kernel : KernelBase {
   OrtStatus* pack_split(const uint8_t* qweight, const std::vector<float>& scale, const std::vector<float>& offset);
 };
 
+// Row `lane`'s scale and offset after a repacked block's codes (float16 where w.half).
+void store_scale_offset(const Packed& w, uint8_t* block, int64_t lane, float scale, float offset) {
+  uint8_t* s = block + w.code_bytes();
+  if (w.half) {
+    uint16_t hs = 0, ho = 0;
+    float_to_half_exact(scale, &hs);
+    float_to_half_exact(offset, &ho);
+    std::memcpy(s + 2 * lane, &hs, 2);
+    std::memcpy(s + 2 * kLanes + 2 * lane, &ho, 2);
+  } else {
+    std::memcpy(s + 4 * lane, &scale, 4);
+    std::memcpy(s + 4 * kLanes + 4 * lane, &offset, 4);
+  }
+}
+
 // The repacked layout (file comment) from MatMulNBits' tensors; offsets folded per block:
 // offset[n, b] = (b < nbo ? offsets[n, b] : 0) - scale[n, b] * zero_point[n, b] (offsets may be null).
 OrtStatus* Kernel::pack(const uint8_t* qweight, const float* scales, const uint8_t* zero_points,
@@ -587,18 +602,7 @@ OrtStatus* Kernel::pack(const uint8_t* qweight, const float* scales, const uint8
         const int code = k % 2 ? codes[k / 2] >> 4 : codes[k / 2] & 15;
         p[k / 8 * kChunkBytes + lane * 4 + k % 4] |= static_cast<uint8_t>(k % 8 < 4 ? code : code << 4);
       }
-      uint8_t* s = p + w.code_bytes();
-      const float sv = scale[row * w.nb + b], ov = offset[row * w.nb + b];
-      if (w.half) {
-        uint16_t hs = 0, ho = 0;
-        float_to_half_exact(sv, &hs);
-        float_to_half_exact(ov, &ho);
-        std::memcpy(s + 2 * lane, &hs, 2);
-        std::memcpy(s + 2 * kLanes + 2 * lane, &ho, 2);
-      } else {
-        std::memcpy(s + 4 * lane, &sv, 4);
-        std::memcpy(s + 4 * kLanes + 4 * lane, &ov, 4);
-      }
+      store_scale_offset(w, p, lane, scale[row * w.nb + b], offset[row * w.nb + b]);
     }
   }
   return nullptr;
@@ -644,18 +648,7 @@ OrtStatus* Kernel::pack_split(const uint8_t* qweight, const std::vector<float>& 
         const int u = 16 * code4(row, b, k) + code4(row, nb + b, k);
         p[k / 4 * kChunkBytes + lane * 4 + k % 4] = static_cast<uint8_t>(static_cast<int8_t>(u - 128));
       }
-      uint8_t* s = p + w.code_bytes();
-      const float sv = scale8[row * nb + b], ov = offset8[row * nb + b];
-      if (w.half) {
-        uint16_t hs = 0, ho = 0;
-        float_to_half_exact(sv, &hs);
-        float_to_half_exact(ov, &ho);
-        std::memcpy(s + 2 * lane, &hs, 2);
-        std::memcpy(s + 2 * kLanes + 2 * lane, &ho, 2);
-      } else {
-        std::memcpy(s + 4 * lane, &sv, 4);
-        std::memcpy(s + 4 * kLanes + 4 * lane, &ov, 4);
-      }
+      store_scale_offset(w, p, lane, scale8[row * nb + b], offset8[row * nb + b]);
     }
   }
   return nullptr;
