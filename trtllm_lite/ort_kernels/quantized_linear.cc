@@ -678,9 +678,12 @@ OrtStatus* Kernel::check_and_pack(OrtKernelContext* context) {
                      " are not [N, nb, block_size / 2], [N, nb], [N, ceil(nb / 2)]" +
                      (with_offsets ? ", [N, nbo <= K / block_size]" : "") +
                      " (nb = ceil(K / block_size), block_size a multiple of 4)");
-  if (split_8bit && (kernel_k % (2 * block_size) || !with_offsets || nbo != nb / 2))
-    return error(ORT_INVALID_ARGUMENT, description() + ": a split 8-bit weight needs K a multiple of 2 x block_size "
-                                                       "and offsets [N, K / 2 / block_size]");
+  if (split_8bit && kernel_k % (2 * block_size))
+    return error(ORT_INVALID_ARGUMENT, description() + ": a split 8-bit weight needs K a multiple of 2 x block_size");
+  if (split_8bit && (!with_offsets || nbo != nb / 2))
+    return error(ORT_INVALID_ARGUMENT, description() + ": a split 8-bit weight needs offsets [N, " +
+                                           std::to_string(nb / 2) + "] (K / 2 / block_size), got " +
+                                           (with_offsets ? dims_string(offsets.dims) : std::string("none")));
   const uint8_t *q = nullptr, *z = nullptr;
   const float *s = nullptr, *o = nullptr;
   RETURN_IF_ERROR(data_of(qweight.value, &q));
