@@ -53,6 +53,13 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
         return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
+def modifies_logits(row: SamplingRow) -> bool:
+    """Whether :meth:`Sampler.process_logits` changes ``row``'s logits (bias, min_tokens, bad
+    words, penalties)."""
+    return bool(row.params.logit_bias or row.bad_words_ids or row.params.has_penalties
+                or (row.stop_ids and len(row.output_token_ids) < row.params.min_tokens))
+
+
 def apply_logit_bias(x: np.ndarray, rows: list[SamplingRow]) -> None:
     for r, row in enumerate(rows):
         if row.params.logit_bias:
@@ -178,7 +185,11 @@ class Sampler:
         self.rng = np.random.default_rng(seed)
 
     def process_logits(self, logits: np.ndarray, rows: list[SamplingRow]) -> np.ndarray:
-        """Bias, min_tokens and penalties on a float32 copy of ``logits [N, V]``."""
+        """Bias, min_tokens and penalties on a float32 copy of ``logits [N, V]``; ``logits``
+        itself (float32), not copied, when no row asks for any of them (a copy of 64 rows of
+        SmolLM2's vocabulary, 12.6 MB, took 4-9 ms, ~4% of a 64-request run's wall time)."""
+        if logits.dtype == np.float32 and not any(modifies_logits(row) for row in rows):
+            return logits
         x = np.array(logits, np.float32, copy=True)
         apply_logit_bias(x, rows)
         apply_min_tokens(x, rows)

@@ -367,7 +367,10 @@ class LLMEngine:
                                 () if s.num_output_tokens >= s.params.min_tokens else self._stop_ids(s.params),
                                 s.request.bad_words_ids)
                     for s in seqs]
-            tokens, lps = self.sampler(logits[[r[position] for _, r, _ in active]], rows)
+            picked = [r[position] for _, r, _ in active]
+            # every row in order (plain decode): the logits as they are, not a copy
+            same = len(picked) == len(logits) and picked == list(range(len(logits)))
+            tokens, lps = self.sampler(logits if same else logits[picked], rows)
             still = []
             for (seq, rows_, drafts), token, lp in zip(active, tokens.tolist(), lps):
                 self._merge(changed, seq, self._append_token(seq, token, lp, now))

@@ -331,4 +331,6 @@ class OnnxRuntimeRunner:
         inputs = build_step_inputs(seqs, self.block_size)
         if "decode" not in self.sessions or any(s.num_new_tokens != 1 for s in seqs):
             return self._run("prefill", inputs)
-        return self._run("decode", inputs)[[s.num_logits > 0 for s in seqs]]
+        logits = self._run("decode", inputs)
+        keep = [s.num_logits > 0 for s in seqs]
+        return logits if all(keep) else logits[keep]
