@@ -102,11 +102,12 @@ class Report:
         if 1 in sweep and 16 in sweep:
             ratio("16 concurrent requests >= 4x batch 1 output tokens/s (issue #2)",
                   sweep[16]["output_tokens_per_s"], sweep[1]["output_tokens_per_s"], 4.0)
-        for label, value in (("batch 1", g("ours-fp32", "host_overhead_batch1")),
-                             ("64 concurrent", g("ours-fp32", "equal", "host_overhead"))):
-            if value is not None:
-                out.append((f"per-step host work (Python, numpy) < 10% of wall time, fp32 {label}",
-                            f"{value:.1%}", value < 0.1))
+        for system in ("fp32", "int4"):   # int4's steps are the shortest: its share is the larger
+            for label, value in (("batch 1", g(f"ours-{system}", "host_overhead_batch1")),
+                                 ("64 concurrent", g(f"ours-{system}", "equal", "host_overhead"))):
+                if value is not None:
+                    out.append((f"per-step host work (Python, numpy) < 10% of wall time, {system} {label}",
+                                f"{value:.1%}", value < 0.1))
         mem = g("ours-fp32", "memory")
         if mem and g("ours-fp32", "peak_rss_bytes"):
             peak = g("ours-fp32", "peak_rss_bytes") / (mem["weights_bytes"] + mem["kv_pool_bytes"])
