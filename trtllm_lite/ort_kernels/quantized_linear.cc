@@ -240,6 +240,27 @@ inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float*
 }
 
 #ifdef TRTLLM_LITE_VNNI
+// 2^e for e in [-126, 127] (a normal float: its exponent bits), without a libm call.
+inline float power_of_two(int e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// std::frexp's exponent of a finite a >= 0 (a < 2^e), from its bits where a is normal.
+inline int exponent_of(float a) {
+  uint32_t bits;
+  std::memcpy(&bits, &a, 4);
+  const int biased = static_cast<int>(bits >> 23);
+  if (biased == 0) {   // zero or subnormal
+    int e = 0;
+    std::frexp(a, &e);
+    return e;
+  }
+  return biased - 126;
+}
+
 // x (one row) centered per block and written as 32-bit integers, per block b: means[b] = the
 // block's mean, C = round((x - means[b]) * 2^s_b), s_b putting the block's largest
 // |x - mean| in [2^30, 2^31), stored as the four bytes of C + 2^31 (planes [nb][4][width],
@@ -274,13 +295,11 @@ inline void integer_planes(const float* x, int64_t nb, int64_t block_size, int64
       factors[2 * b] = factors[2 * b + 1] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }
-    int e = 0;
-    std::frexp(amax, &e);                       // amax < 2^e
-    const int shift = 31 - e, half = shift / 2;
-    factors[2 * b] = std::ldexp(1.0f, -half);
-    factors[2 * b + 1] = std::ldexp(1.0f, half - shift);
+    const int shift = 31 - exponent_of(amax), half = shift / 2;   // |half|, |shift - half| <= 82
+    factors[2 * b] = power_of_two(-half);
+    factors[2 * b + 1] = power_of_two(half - shift);
     // c * 2^s in two exact steps (powers of two): below 2^31 in magnitude, so no clamp
-    const __m512 up1 = _mm512_set1_ps(std::ldexp(1.0f, half)), up2 = _mm512_set1_ps(std::ldexp(1.0f, shift - half));
+    const __m512 up1 = _mm512_set1_ps(power_of_two(half)), up2 = _mm512_set1_ps(power_of_two(shift - half));
     const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
     for (int64_t i = 0; i < block_size; i += 16) {
       const __mmask16 m = lanes(i);
