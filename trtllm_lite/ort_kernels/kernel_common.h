@@ -208,7 +208,8 @@ inline OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int
       info, name, out);
 }
 
-// An optional int attribute: `fallback` where the node does not have it.
+// An optional int attribute: `fallback` where the node does not have it (or has it with another
+// type: ONNX Runtime reports both the same way).
 inline OrtStatus* int_attribute_or(const OrtKernelInfo* info, const char* name, int64_t fallback, int64_t* out) {
   if (OrtStatus* status = int_attribute(info, name, out)) {
     slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(status);

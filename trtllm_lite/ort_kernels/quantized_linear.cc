@@ -161,7 +161,7 @@ class SlabBytes {
 // One node's weights, repacked (layout above).
 struct Packed {
   int64_t n = 0, nb = 0, block_size = 0, groups = 0;
-  int bits = 4;                      // 8: a split 8-bit weight, recombined (Kernel::pack)
+  int bits = 4;                      // 8: a split 8-bit weight, recombined (Kernel::pack_split)
   bool half = false;                 // scales and offsets stored as float16
   SlabBytes data;
   int64_t columns() const { return bits == 4 ? 8 : 4; }           // columns per chunk (x 16 rows)
