@@ -140,3 +140,25 @@ def test_huge_temperature_samples_uniformly_without_overflow():
         tokens, _ = Sampler(0)(np.repeat(logits, 400, axis=0), rows)
     counts = np.bincount(tokens, minlength=4)
     assert counts[2] == 0 and counts.min(initial=400, where=[True, True, False, True]) > 100
+
+
+def test_sampling_leaves_the_callers_logits_unchanged():
+    """The sampler reads the step's logits in place when no row changes them and copies them
+    when one does: either way the caller's array is unchanged, and every row's token is the one
+    it gets alone (a penalty, bias or min_tokens row must not reach its neighbours)."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((5, 40)).astype(np.float32)
+    logits[:, 7] = 4.0                          # every row's argmax unless processed
+    makers = [lambda: row(temperature=0.0), lambda: row(prompt=[7], repetition_penalty=100.0, temperature=0.0),
+              lambda: row(logit_bias={7: -50.0}, temperature=0.0),
+              lambda: row(output=[1], min_tokens=3, stop_ids=(7,), temperature=0.0),
+              lambda: row(seed=4, temperature=0.7, logprobs=2)]
+    for picked in ([0, 1, 2, 3, 4], [0, 4]):    # with rows that change logits, and without
+        x = logits[picked].copy()
+        before = x.copy()
+        tokens, _ = Sampler(0)(x, [makers[i]() for i in picked])
+        np.testing.assert_array_equal(x, before)
+        alone = [Sampler(0)(x[j:j + 1].copy(), [makers[i]()])[0][0] for j, i in enumerate(picked)]
+        assert tokens.tolist() == alone
+        if len(picked) == 5:
+            assert tokens[0] == 7 and 7 not in tokens[1:4].tolist()
