@@ -184,12 +184,12 @@ def _set_accuracy_level(graph: onnx.ModelProto, level: int) -> onnx.ModelProto:
     replaced by their function bodies (MatMulNBits [+ AddBlockOffsets])."""
     from onnx import inliner
 
-    from .fused_ops import QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OP_TYPE
+    from .fused_ops import QUANTIZED_LINEAR_OP_TYPES
     from .paged_attention import DOMAIN
 
     out = onnx.ModelProto()
     out.CopyFrom(graph)
-    ops = [(DOMAIN, QUANTIZED_LINEAR_OP_TYPE), (DOMAIN, QUANTIZED_LINEAR_OFFSETS_OP_TYPE)]
+    ops = [(DOMAIN, op) for op in QUANTIZED_LINEAR_OP_TYPES]
     if level != 0 and any((n.domain, n.op_type) in ops for n in out.graph.node):
         out = inliner.inline_selected_functions(out, ops)
         kept = [f for f in out.functions if (f.domain, f.name) not in ops]

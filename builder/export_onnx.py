@@ -30,7 +30,8 @@ from onnx import TensorProto, helper
 
 from .model_config import ModelConfig
 from .onnx_graph import MS_DOMAIN, OPSET, NodeWriter, WeightStore
-from .fused_ops import (OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OP_TYPE, ROTARY_OP_TYPE,
+from .fused_ops import (OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OP_TYPE,
+                        QUANTIZED_LINEAR_SPLIT8_OP_TYPE, ROTARY_OP_TYPE,
                         SILU_OP_TYPE, make_offsets_function, make_quantized_linear_functions, make_rotary_function,
                         make_silu_function)
 from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function, make_onnx_functions, write_attention_metadata
@@ -126,8 +127,8 @@ class DecoderGraphWriter:
         C=y)`` when its blocks carry float offsets (Q4_1, split 8-bit). In the ONNX Runtime
         graphs at accuracy level 0 a 4-bit weight is one ``QuantizedLinear`` (or
         ``QuantizedLinearWithOffsets``) node instead, whose C++ kernel replaces both
-        (:mod:`builder.fused_ops`; a split 8-bit weight's node says so, ``split_8bit=1``, and
-        its kernel computes it as 8-bit); at other levels MatMulNBits + ``AddBlockOffsets``.
+        (:mod:`builder.fused_ops`; a split 8-bit weight is ``QuantizedLinearSplit8`` over x once,
+        computed as 8-bit); at other levels MatMulNBits + ``AddBlockOffsets``.
         """
         name, q = prefix + ".weight", self.quantized.get(prefix + ".weight")
         if q is None:
@@ -137,19 +138,18 @@ class DecoderGraphWriter:
             return self.w.op("Gemm", *args, transB=1, outputs=outputs)
         bias = self.weight(prefix + ".bias") if self.has(prefix + ".bias") else ""
         zp = self.weight(name + ".zero_points") if q.zero_points is not None else ""
-        xin = x if q.repeats == 1 else self.w.op("Concat", *[x] * q.repeats, axis=1)
+        split8 = self.ort_ops and self.accuracy_level == 0 and q.repeats == 2   # x once, not [x, x]
+        xin = x if q.repeats == 1 or split8 else self.w.op("Concat", *[x] * q.repeats, axis=1)
         if self.ort_ops and self.accuracy_level == 0 and q.bits == 4:
             self.quantized_linear_ops = True
             args = [xin, self.weight(name + ".qweight"), self.weight(name + ".scales"),
                     zp or self.default_zero_points(q.n, q.num_blocks)]
             op_type = QUANTIZED_LINEAR_OP_TYPE
             if q.offsets is not None:
-                op_type = QUANTIZED_LINEAR_OFFSETS_OP_TYPE
+                op_type = QUANTIZED_LINEAR_SPLIT8_OP_TYPE if split8 else QUANTIZED_LINEAR_OFFSETS_OP_TYPE
                 args += [self.weight(name + ".offsets"),
                          self.block_sum_matrix(q.num_offset_blocks, q.block_size, q.kernel_k)]
             attrs = dict(N=q.n, K=q.kernel_k, block_size=q.block_size, domain=DOMAIN)
-            if q.repeats == 2:    # a split 8-bit weight: the kernel recombines it and reads x once
-                attrs["split_8bit"] = 1
             if not bias:
                 return self.w.op(op_type, *args, outputs=outputs, **attrs)
             return self.w.op("Add", self.w.op(op_type, *args, **attrs), bias, outputs=outputs)

@@ -148,7 +148,8 @@ def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, cas
     expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
     got, ran = run_linear(q, x, library=op_library)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-    op = "QuantizedLinearWithOffsets" if q.offsets is not None else "QuantizedLinear"
+    op = ("QuantizedLinearSplit8" if q.repeats == 2 else "QuantizedLinearWithOffsets" if q.offsets is not None
+          else "QuantizedLinear")
     assert (op in ran) is (op_library is not None)
     assert ("MatMulNBits" in ran) is (op_library is None)
 
@@ -259,23 +260,23 @@ def test_quantized_linear_rejects_mismatched_shapes(kernel_library):
         sess.run(None, dict(feed, zero_points=np.full(36, 0x88, np.uint8)))
 
 
-def test_split_8bit_node_reads_x_once_as_an_8bit_weight(kernel_library):
-    """A ``split_8bit`` node (the exporter's form of a split 8-bit weight, e.g. SmolLM2's Q8_0
-    lm_head) gives the 8-bit weight's product with x's first half (x = [a, a]), and one whose
-    halves' scales are not 16:1 fails with the node named."""
-    from builder.fused_ops import QUANTIZED_LINEAR_OFFSETS_OP_TYPE
+def test_split8_node_reads_x_once_as_an_8bit_weight(kernel_library):
+    """A ``QuantizedLinearSplit8`` node (the exporter's form of a split 8-bit weight, e.g.
+    SmolLM2's Q8_0 lm_head) takes x once and gives its product with the 8-bit weight; a weight
+    whose halves' scales are not 16:1, or an x of the halves' width, fails with the node named."""
+    from builder.fused_ops import QUANTIZED_LINEAR_SPLIT8_OP_TYPE
     from builder.paged_attention import DOMAIN
 
     q8 = quantize_weight(random_weight(37, k=128), 8, 32, False)
     q = split_8bit(q8)
-    node = helper.make_node(QUANTIZED_LINEAR_OFFSETS_OP_TYPE,
+    node = helper.make_node(QUANTIZED_LINEAR_SPLIT8_OP_TYPE,
                             ["x", "qweight", "scales", "zero_points", "offsets", "block_sum_matrix"], ["y"],
-                            domain=DOMAIN, N=37, K=256, block_size=32, split_8bit=1)
+                            domain=DOMAIN, N=37, K=256, block_size=32)
     types = {"x": TensorProto.FLOAT, "qweight": TensorProto.UINT8, "scales": TensorProto.FLOAT,
              "zero_points": TensorProto.UINT8, "offsets": TensorProto.FLOAT, "block_sum_matrix": TensorProto.FLOAT}
     sess = one_node_session(node, types, kernel_library)
     a = np.random.default_rng(3).standard_normal((2, 128)).astype(np.float32)
-    feed = {"x": np.concatenate([a, a], axis=1), "qweight": q.qweight.reshape(37, 8, 16), "scales": q.scales,
+    feed = {"x": a, "qweight": q.qweight.reshape(37, 8, 16), "scales": q.scales,
             "zero_points": np.full(37 * 4, 0x88, np.uint8), "offsets": q.offsets,
             "block_sum_matrix": np.zeros((256, 4), np.float32)}
     expected = a.astype(np.float64) @ q8.dequantize().astype(np.float64).T
@@ -283,8 +284,10 @@ def test_split_8bit_node_reads_x_once_as_an_8bit_weight(kernel_library):
     bad = q.scales.copy()
     bad[5, 1] *= 1.5
     sess = one_node_session(node, types, kernel_library)
-    with pytest.raises(Exception, match=r"split_8bit\): row 5, block 1"):
+    with pytest.raises(Exception, match=r"QuantizedLinearSplit8 \(N 37, K 256, block_size 32\): row 5, block 1"):
         sess.run(None, dict(feed, scales=bad))
+    with pytest.raises(Exception, match=r"QuantizedLinearSplit8 .*x \[2, 256\] is not \[M, K / 2\]"):
+        sess.run(None, dict(feed, x=np.concatenate([a, a], axis=1)))
 
 
 def test_build_options_are_validated():
@@ -408,11 +411,12 @@ def test_accuracy_level_picks_a_built_variant(smollm2_int4_engine, smollm2_engin
     import collections
 
     import onnx
-    for file, want in (("prefill.onnx", {"QuantizedLinearWithOffsets": 121}),
-                       ("prefill.acc4.onnx", {"MatMulNBits": 121, "AddBlockOffsets": 121})):
+    # (the Q8_0 lm_head: QuantizedLinearSplit8 over x once, no Concat)
+    for file, want in (("prefill.onnx", {"QuantizedLinearWithOffsets": 120, "QuantizedLinearSplit8": 1}),
+                       ("prefill.acc4.onnx", {"MatMulNBits": 121, "AddBlockOffsets": 121, "Concat": 1})):
         graph = onnx.load(os.path.join(smollm2_int4_engine, file), load_external_data=False).graph
-        ops = collections.Counter(n.op_type for n in graph.node)
-        assert {op: ops[op] for op in ("QuantizedLinearWithOffsets", "MatMulNBits", "AddBlockOffsets")} == \
-            {"QuantizedLinearWithOffsets": 0, "MatMulNBits": 0, "AddBlockOffsets": 0, **want}
+        ops = collections.Counter(n.op_type for n in graph.node if n.op_type != "Concat" or "split8" in n.name)
+        kinds = ("QuantizedLinearWithOffsets", "QuantizedLinearSplit8", "MatMulNBits", "AddBlockOffsets", "Concat")
+        assert {op: ops[op] for op in kinds} == {**dict.fromkeys(kinds, 0), **want}
     with pytest.raises(ValueError, match="accuracy_level 4.*not quantized"):
         graph_files(load_engine_dir(smollm2_engine, verify_checksums=False), 4)

@@ -9,9 +9,10 @@ ONNX Runtime custom operators in the ``trtllm_lite`` domain (``register.cc`` add
   (``builder/fused_ops.py``);
 * ``AddBlockOffsets`` (``block_offsets.cc``): a block-quantized weight's float offsets (GGUF
   Q4_1's block mins) added to MatMulNBits' output (``builder/fused_ops.py``);
-* ``QuantizedLinear`` / ``QuantizedLinearWithOffsets`` (``quantized_linear.cc``): a 4-bit
-  block-quantized linear at float32 activations, in place of MatMulNBits (+ AddBlockOffsets)
-  (``builder/fused_ops.py``, ``docs/quantization.md``).
+* ``QuantizedLinear`` / ``QuantizedLinearWithOffsets`` / ``QuantizedLinearSplit8``
+  (``quantized_linear.cc``): a 4-bit (or split 8-bit) block-quantized linear at float32
+  activations, in place of MatMulNBits (+ AddBlockOffsets) (``builder/fused_ops.py``,
+  ``docs/quantization.md``).
 
 The engines' graphs carry every op as an ONNX function too; ONNX Runtime runs the kernel
 where the library is registered with the session and inlines the function otherwise, so a

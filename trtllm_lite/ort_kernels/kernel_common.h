@@ -208,16 +208,6 @@ inline OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int
       info, name, out);
 }
 
-// An optional int attribute: `fallback` where the node does not have it (or has it with another
-// type: ONNX Runtime reports both the same way).
-inline OrtStatus* int_attribute_or(const OrtKernelInfo* info, const char* name, int64_t fallback, int64_t* out) {
-  if (OrtStatus* status = int_attribute(info, name, out)) {
-    slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(status);
-    *out = fallback;
-  }
-  return nullptr;
-}
-
 inline OrtStatus* new_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
                              float** data) {
   OrtValue* value = nullptr;
@@ -263,5 +253,6 @@ const OrtCustomOp* silu_and_mul_op();
 const OrtCustomOp* add_block_offsets_op();
 const OrtCustomOp* quantized_linear_op();
 const OrtCustomOp* quantized_linear_with_offsets_op();
+const OrtCustomOp* quantized_linear_split8_op();
 
 }  // namespace trtllm_lite_kernels

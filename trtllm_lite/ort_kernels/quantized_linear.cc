@@ -25,12 +25,13 @@
 //   slabs on 2 MiB pages (HugePageSlabs: streamed whole every step, 4 KiB pages cost a TLB
 //   miss each).
 //
-//   split_8bit = 1 (QuantizedLinearWithOffsets only): the weight is an 8-bit one split into two
-//   4-bit halves (builder/quantize.py split_8bit: K = 2 K8, x = [a, a]); it is recombined once
+//   QuantizedLinearSplit8: the tensors of QuantizedLinearWithOffsets for an 8-bit weight split
+//   into two 4-bit halves (builder/quantize.py split_8bit: K = 2 K8), and x [M, K8] once (its
+//   function body feeds [x, x] to QuantizedLinearWithOffsets). The weight is recombined once
 //   into chunks of [16 rows][4 bytes], byte i holding column 4j + i's code as a signed byte
-//   (u - 128), with one scale and offset per 16 rows and block (Kernel::pack_split), and y =
-//   a @ W8^T reads a = x's first K8 columns: 36 bytes per 32 weights where the halves took 40,
-//   and five vpdpbusd per 64 weights at batch 1 where the halves took 13 per 128 codes.
+//   (u - 128), with one scale and offset per 16 rows and block (Kernel::pack_split): 36 bytes
+//   per 32 weights where the halves took 40, and five vpdpbusd per 64 weights at batch 1 where
+//   the halves took 13 per 128 codes.
 //
 //   M = 1 (memory-bound), AVX-512 VNNI: x is centered per block (c = x - mean_b) and written
 //     as 32-bit integers C = round(c * 2^s_b) (s_b: the power of two that puts the block's
@@ -552,14 +553,13 @@ void run_item(void* user, size_t item) {
 struct Kernel : KernelBase {
   bool with_offsets = false;
   int64_t n = 0, kernel_k = 0, block_size = 0;
-  int64_t split_8bit = 0;   // 1: an 8-bit weight split into two 4-bit halves, x = [a, a] (file comment)
+  bool split8 = false;      // QuantizedLinearSplit8: a split 8-bit weight, x [M, K / 2] (file comment)
   std::mutex mutex;
   std::array<const void*, 4> packed_from{};   // the weight inputs' data `packed` was made from
   size_t num_weights() const { return with_offsets ? 4 : 3; }
   std::string description() const {   // for errors: the op and its attributes
-    return std::string(with_offsets ? "QuantizedLinearWithOffsets" : "QuantizedLinear") + " (N " + std::to_string(n) +
-           ", K " + std::to_string(kernel_k) + ", block_size " + std::to_string(block_size) +
-           (split_8bit ? ", split_8bit" : "") + ")";
+    return std::string(split8 ? "QuantizedLinearSplit8" : with_offsets ? "QuantizedLinearWithOffsets" : "QuantizedLinear") +
+           " (N " + std::to_string(n) + ", K " + std::to_string(kernel_k) + ", block_size " + std::to_string(block_size) + ")";
   }
   Packed packed;
   OrtStatus* compute(OrtKernelContext* context) override;
@@ -607,7 +607,7 @@ OrtStatus* Kernel::pack(const uint8_t* qweight, const float* scales, const uint8
       uint16_t h;
       w.half = w.half && float_to_half_exact(s, &h) && float_to_half_exact(o, &h);
     }
-  if (split_8bit) return pack_split(qweight, scale, offset);
+  if (split8) return pack_split(qweight, scale, offset);
   w.bits = 4;
   if (!w.data.assign(static_cast<size_t>(w.groups * w.nb * w.block_bytes())))   // zeroed: code 0 past a block's end
     return error(ORT_FAIL, description() + ": out of memory for the repacked weights");
@@ -697,12 +697,12 @@ OrtStatus* Kernel::check_and_pack(OrtKernelContext* context) {
                      " are not [N, nb, block_size / 2], [N, nb], [N, ceil(nb / 2)]" +
                      (with_offsets ? ", [N, nbo <= K / block_size]" : "") +
                      " (nb = ceil(K / block_size), block_size a multiple of 4)");
-  if (split_8bit && kernel_k % (2 * block_size))
+  if (split8 && kernel_k % (2 * block_size))
     return error(ORT_INVALID_ARGUMENT, description() + ": a split 8-bit weight needs K a multiple of 2 x block_size");
-  if (split_8bit && (!with_offsets || nbo != nb / 2))
+  if (split8 && nbo != nb / 2)
     return error(ORT_INVALID_ARGUMENT, description() + ": a split 8-bit weight needs offsets [N, " +
                                            std::to_string(nb / 2) + "] (K / 2 / block_size), got " +
-                                           (with_offsets ? dims_string(offsets.dims) : std::string("none")));
+                                           dims_string(offsets.dims));
   const uint8_t *q = nullptr, *z = nullptr;
   const float *s = nullptr, *o = nullptr;
   RETURN_IF_ERROR(data_of(qweight.value, &q));
@@ -718,8 +718,10 @@ OrtStatus* Kernel::check_and_pack(OrtKernelContext* context) {
 OrtStatus* Kernel::compute(OrtKernelContext* context) {
   Tensor x;
   RETURN_IF_ERROR(read_input(context, 0, &x));
-  if (x.dims.size() != 2 || x.dims[1] != kernel_k)
-    return error(ORT_INVALID_ARGUMENT, description() + ": x " + dims_string(x.dims) + " is not [M, K]");
+  const int64_t x_width = split8 ? kernel_k / 2 : kernel_k;   // a split 8-bit weight's x comes once
+  if (x.dims.size() != 2 || x.dims[1] != x_width)
+    return error(ORT_INVALID_ARGUMENT, description() + ": x " + dims_string(x.dims) + " is not [M, " +
+                                           (split8 ? "K / 2" : "K") + "]");
   const float* x_data = nullptr;
   RETURN_IF_ERROR(data_of(x.value, &x_data));
   {
@@ -742,14 +744,13 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   st.rows = x.dims[0];
   RETURN_IF_ERROR(new_output(context, 0, {st.rows, n}, &st.y));
   if (st.rows == 0) return nullptr;
-  // x zero-padded to whole blocks where K is not a multiple of the block size (a split 8-bit
-  // weight reads x's first half: x = [a, a])
+  // x zero-padded to whole blocks where K is not a multiple of the block size
   const int64_t nb = packed.nb, width = nb * block_size;
   thread_local std::vector<float> x_buffer, means, centered, factors;
   thread_local std::vector<uint8_t> planes;
   st.x = x_data;
-  st.ldx = kernel_k;
-  if (width != (split_8bit ? kernel_k / 2 : kernel_k)) {
+  st.ldx = x_width;
+  if (width != x_width) {
     x_buffer.assign(static_cast<size_t>(st.rows * width), 0.0f);
     for (int64_t r = 0; r < st.rows; ++r)
       std::memcpy(x_buffer.data() + r * width, x_data + r * kernel_k, sizeof(float) * kernel_k);
@@ -782,13 +783,13 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
                       std::min(static_cast<size_t>(items), available_cores()));
 }
 
-template <bool WITH_OFFSETS>
+template <bool WITH_OFFSETS, bool SPLIT8>
 OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
   return new_kernel<Kernel>(kernel, [info](Kernel& k) {
     k.with_offsets = WITH_OFFSETS;
+    k.split8 = SPLIT8;
     RETURN_IF_ERROR(int_attribute(info, "N", &k.n));
     RETURN_IF_ERROR(int_attribute(info, "K", &k.kernel_k));
-    RETURN_IF_ERROR(int_attribute_or(info, "split_8bit", 0, &k.split_8bit));
     return int_attribute(info, "block_size", &k.block_size);
   });
 }
@@ -796,12 +797,17 @@ OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
 }  // namespace
 
 const OrtCustomOp* quantized_linear_op() {
-  static const CustomOp op({"QuantizedLinear", kInputs, 4, 1, create_kernel<false>});
+  static const CustomOp op({"QuantizedLinear", kInputs, 4, 1, create_kernel<false, false>});
   return &op;
 }
 
 const OrtCustomOp* quantized_linear_with_offsets_op() {
-  static const CustomOp op({"QuantizedLinearWithOffsets", kInputs, 6, 1, create_kernel<true>});
+  static const CustomOp op({"QuantizedLinearWithOffsets", kInputs, 6, 1, create_kernel<true, false>});
+  return &op;
+}
+
+const OrtCustomOp* quantized_linear_split8_op() {
+  static const CustomOp op({"QuantizedLinearSplit8", kInputs, 6, 1, create_kernel<true, true>});
   return &op;
 }
 

@@ -41,7 +41,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   RETURN_IF_ERROR(slot<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(g_api, kCreateCustomOpDomain)(
       "trtllm_lite", &domain));
   for (const OrtCustomOp* op : {paged_decode_attention_op(), rotary_split_qkv_op(), silu_and_mul_op(),
-                                add_block_offsets_op(), quantized_linear_op(), quantized_linear_with_offsets_op()})
+                                add_block_offsets_op(), quantized_linear_op(), quantized_linear_with_offsets_op(),
+                                quantized_linear_split8_op()})
     RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, kCustomOpDomainAdd)(
         domain, op));
   // the domain must outlive every session that uses it: it is never released
