@@ -207,6 +207,25 @@ def test_missing_prompt_is_invalid_argument(client):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in e.value.details()
 
 
+def test_undecodable_request_is_invalid_argument(server, client):
+    """Bytes that are not a message of the method (unary, server-streaming, KServe's unary and
+    bidirectional stream) get INVALID_ARGUMENT naming the method, not grpcio's UNKNOWN; the
+    server goes on serving."""
+    garbage = b"\xff\xff\xff\xff\x0f not a protobuf"
+    with grpc.insecure_channel(server.grpc) as channel:
+        calls = {"/trtllm_lite.v1.LLMService/GetModelInfo": lambda m: channel.unary_unary(m)(garbage, timeout=30),
+                 "/trtllm_lite.v1.LLMService/Generate": lambda m: list(channel.unary_stream(m)(garbage, timeout=30)),
+                 "/inference.GRPCInferenceService/ModelInfer": lambda m: channel.unary_unary(m)(garbage, timeout=30),
+                 "/inference.GRPCInferenceService/ModelStreamInfer":
+                     lambda m: list(channel.stream_stream(m)(iter([garbage]), timeout=30))}
+        for method, call in calls.items():
+            with pytest.raises(grpc.RpcError) as e:
+                call(method)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert method in e.value.details()
+    assert client.complete("The capital of France is", max_tokens=2).finished
+
+
 def test_deadline_exceeded_aborts_request(client):
     with pytest.raises(grpc.RpcError) as e:
         client.complete("Write a poem.", max_tokens=400, ignore_eos=True, timeout=0.5)

@@ -123,6 +123,52 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny, **kw)
 
 
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+    """A request that is not a valid message of its method gets INVALID_ARGUMENT naming the
+    method (grpcio's own handling answers UNKNOWN and logs a traceback). The method's request
+    bytes reach its handler undecoded and are parsed here, for our two services (health and
+    reflection are left as they are)."""
+
+    PREFIXES = ("/trtllm_lite.", "/inference.")
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None or not details.method.startswith(self.PREFIXES):
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        async def decode(raw: bytes, context):
+            try:
+                return parse(raw)
+            except Exception as e:   # protobuf's DecodeError (or any parse failure)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request is not a valid {method} message: {e}")
+
+        async def decoded_stream(raws, context):
+            async for raw in raws:
+                yield await decode(raw, context)
+
+        kw = dict(request_deserializer=None, response_serializer=handler.response_serializer)
+        if handler.request_streaming and handler.response_streaming:
+            async def stream_stream(raws, context):
+                async for response in handler.stream_stream(decoded_stream(raws, context), context):
+                    yield response
+            return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+        if handler.request_streaming:
+            async def stream_unary(raws, context):
+                return await handler.stream_unary(decoded_stream(raws, context), context)
+            return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+        if handler.response_streaming:
+            async def unary_stream(raw, context):
+                async for response in handler.unary_stream(await decode(raw, context), context):
+                    yield response
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+
+        async def unary_unary(raw, context):
+            return await handler.unary_unary(await decode(raw, context), context)
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+
+
 def _credentials(config: ServerConfig):
     if not config.tls_cert:
         return None
@@ -155,7 +201,7 @@ class Server:
         options = [("grpc.max_receive_message_length", c.max_message_bytes),
                    ("grpc.max_send_message_length", c.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
-        interceptors = [ApiKeyInterceptor(c.api_key)] if c.api_key else []
+        interceptors = ([ApiKeyInterceptor(c.api_key)] if c.api_key else []) + [DecodeErrorInterceptor()]
         server = grpc.aio.server(options=options, interceptors=interceptors)
         llm_service_pb2_grpc.add_LLMServiceServicer_to_server(grpc_servicer.LLMServicer(self.service), server)
         kserve.kpb_grpc.add_GRPCInferenceServiceServicer_to_server(kserve.KServeServicer(self.service), server)
