@@ -103,13 +103,31 @@ def tiny_model(tmp_path_factory):
     return get
 
 
+def cpu_flags() -> set:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
 def build_kernel_library(variant: str, tmp_path_factory) -> str:
     """trtllm-lite's ONNX Runtime kernel library as the runtime builds it (``native``:
-    ``-march=native``, AVX-512 here), with AVX-512 off (``portable``: the loops other CPUs
-    run), or with AVX-512 but not its VNNI instructions (``no-vnni``: the float32 batch-1 loop
-    of ``QuantizedLinear``); a skip with the compiler's reason where it does not build."""
+    ``-march=native``), with AVX-512 off (``avx2``: the AVX2 loops, where the CPU has AVX2,
+    FMA and F16C; skipped where native already is that build), with AVX-512 and AVX2 off
+    (``portable``: the loops other CPUs run), or with AVX-512 but not its VNNI instructions
+    (``no-vnni``: the float32 batch-1 loop of ``QuantizedLinear``); a skip with the reason
+    where it does not build or would be the same as another."""
     from trtllm_lite.ort_kernels import KernelBuildError, build_library
-    flags = {"portable": ("-mno-avx512f",), "no-vnni": ("-mno-avx512vnni",)}
+    flags = {"portable": ("-mno-avx512f", "-mno-avx2"), "no-vnni": ("-mno-avx512vnni",), "avx2": ("-mno-avx512f",)}
+    cpu = cpu_flags()
+    if variant == "avx2" and not {"avx2", "fma", "f16c"} <= cpu:
+        pytest.skip("the AVX2 kernels need a CPU with AVX2, FMA and F16C")
+    if variant == "avx2" and "avx512f" not in cpu:
+        pytest.skip("the native build is the AVX2 build on this CPU (no AVX-512)")
+    if variant == "no-vnni" and "avx512_vnni" not in cpu:
+        pytest.skip("the native build has no VNNI loop on this CPU")
     try:
         if variant == "native":
             return str(build_library())
@@ -118,13 +136,13 @@ def build_kernel_library(variant: str, tmp_path_factory) -> str:
         pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
 
 
-@pytest.fixture(scope="session", params=["native", "portable"])
+@pytest.fixture(scope="session", params=["native", "avx2", "portable"])
 def kernel_library(request, tmp_path_factory):
-    """Path of the kernel library, both builds (:func:`build_kernel_library`)."""
+    """Path of the kernel library, each build (:func:`build_kernel_library`)."""
     return build_kernel_library(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="session", params=["function-body", "native", "portable", "no-vnni"])
+@pytest.fixture(scope="session", params=["function-body", "native", "avx2", "portable", "no-vnni"])
 def op_library(request, tmp_path_factory):
     """``None`` (ONNX Runtime inlines the ops' ONNX function bodies; needs no compiler), or
     the kernel library's path, each build."""

@@ -11,8 +11,14 @@
 #include <string>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// The AVX2 loops (CPUs without AVX-512: AMD Zen 1-3, Intel client cores) need FMA and F16C too;
+// an AVX-512 build takes its own loops.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TRTLLM_LITE_AVX2 1
 #endif
 
 #include "ort_abi.h"

@@ -191,10 +191,27 @@ struct Step {
   int64_t rows, ldx;
 };
 
-#ifdef __AVX512F__
 // Columns 8j + i of a chunk, i = 0..7: the shift that brings column i's code to the low 4 bits
 // of each row's 32-bit lane (vpermps reads only those).
-constexpr int kColumnShift[8] = {0, 8, 16, 24, 4, 12, 20, 28};
+[[maybe_unused]] constexpr int kColumnShift[8] = {0, 8, 16, 24, 4, 12, 20, 28};
+
+// x (one row) centered per block: means[b] = mean of block b, centered = x - means[b] (the
+// block's own mean; [nb * block_size] float32).
+[[maybe_unused]] inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float* means,
+                                           float* centered) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * block_size;
+    const float inv = 1.0f / static_cast<float>(block_size);
+    float mean = 0.0f;   // a sum of x / block_size: a sum of x could overflow where the mean does not
+#pragma omp simd reduction(+ : mean)
+    for (int64_t i = 0; i < block_size; ++i) mean += xb[i] * inv;
+    means[b] = mean;
+#pragma omp simd
+    for (int64_t i = 0; i < block_size; ++i) centered[b * block_size + i] = xb[i] - mean;
+  }
+}
+
+#ifdef __AVX512F__
 
 inline __m512 column_codes(__m512i chunk, int i, __m512 table) {
   return _mm512_permutexvar_ps(_mm512_srli_epi32(chunk, kColumnShift[i]), table);
@@ -223,21 +240,6 @@ inline void load_scale_offset(const uint8_t* p, __m512* scale, __m512* offset) {
 inline __mmask16 lanes_mask(const Packed& w, int64_t group) {
   const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
   return static_cast<__mmask16>((1u << lanes) - 1);
-}
-
-// x (one row) centered per block: means[b] = mean of block b, centered = x - means[b] (the
-// block's own mean; [nb * block_size] float32).
-inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float* means, float* centered) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + b * block_size;
-    const float inv = 1.0f / static_cast<float>(block_size);
-    float mean = 0.0f;   // a sum of x / block_size: a sum of x could overflow where the mean does not
-#pragma omp simd reduction(+ : mean)
-    for (int64_t i = 0; i < block_size; ++i) mean += xb[i] * inv;
-    means[b] = mean;
-#pragma omp simd
-    for (int64_t i = 0; i < block_size; ++i) centered[b * block_size + i] = xb[i] - mean;
-  }
 }
 
 #ifdef TRTLLM_LITE_VNNI
@@ -485,7 +487,188 @@ void gemm_item(const Step& st, int64_t r0, int64_t rows, int64_t group) {
 }
 #endif
 
-// Portable loops (no AVX-512): the dequantized weight, one output at a time.
+#ifdef TRTLLM_LITE_AVX2
+// AVX2 + FMA + F16C (no AVX-512): the same layout, each 64-byte chunk read as two 8-row halves
+// (one 256-bit vector holds 8 rows x 4 bytes), with the float32 arithmetic of gemv_group and
+// the M > 1 loops. A code becomes a float by a shift, a mask and a conversion (AVX2's vpermps
+// takes only 8 entries).
+inline __m256i load_half_chunk(const uint8_t* chunk, int half) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * half));
+}
+
+// Column i of an 8-row half chunk as floats: 4-bit codes (columns 8j + i) or signed bytes (4j + i).
+template <int BITS>
+inline __m256 column_codes_avx2(__m256i half_chunk, int i) {
+  if (BITS == 8) return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(half_chunk, 24 - 8 * i), 24));
+  const __m256i shifted = kColumnShift[i] ? _mm256_srli_epi32(half_chunk, kColumnShift[i]) : half_chunk;
+  return _mm256_cvtepi32_ps(kColumnShift[i] == 28 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(15)));
+}
+
+// Rows [8 half, 8 half + 8) of a block's 16 scales and offsets.
+template <bool HALF>
+inline void load_scale_offset_avx2(const uint8_t* p, int half, __m256* scale, __m256* offset) {
+  if (HALF) {
+    *scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * half)));
+    *offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * half)));
+  } else {
+    *scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * half);
+    *offset = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 16 + 8 * half);
+  }
+}
+
+// A 16-row group's outputs (two halves) into y, its first `lanes` rows.
+inline void store_group_avx2(float* y, int64_t lanes, __m256 low, __m256 high) {
+  if (lanes == kLanes) {
+    _mm256_storeu_ps(y, low);
+    _mm256_storeu_ps(y + 8, high);
+    return;
+  }
+  alignas(32) float rows[kLanes];
+  _mm256_store_ps(rows, low);
+  _mm256_store_ps(rows + 8, high);
+  std::memcpy(y, rows, sizeof(float) * static_cast<size_t>(lanes));
+}
+
+// Each row's sum of the codes in an 8-row half chunk (int32 lanes): a chunk's 4-bit codes
+// are one nibble each, its 8-bit ones signed bytes. The integer sums keep the float adds (and
+// their registers) out of block_half_avx2's loop.
+template <int BITS>
+inline __m256i chunk_code_sums_avx2(__m256i v) {
+  const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+  if (BITS == 8) return _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i nibbles = _mm256_add_epi8(_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles, ones8), ones16);
+}
+
+// A block's two 8-row halves: t[h] = sum_k code_k x_k, q[h] = sum_k code_k over its columns,
+// columns of a chunk past the block's end skipped; each x broadcast once for both halves, two
+// multiply-add chains per half.
+template <int BITS>
+inline void block_sums_avx2(const uint8_t* p, const float* x, int64_t block_size, __m256 t[2], __m256 q[2]) {
+  constexpr int kColumns = BITS == 4 ? 8 : 4;
+  __m256 t00 = _mm256_setzero_ps(), t01 = t00, t10 = t00, t11 = t00;
+  __m256i sums0 = _mm256_setzero_si256(), sums1 = sums0;
+  int64_t k = 0;
+  for (; k + kColumns <= block_size; k += kColumns) {
+    const uint8_t* chunk = p + k / kColumns * kChunkBytes;
+    const __m256i v0 = load_half_chunk(chunk, 0), v1 = load_half_chunk(chunk, 1);
+    sums0 = _mm256_add_epi32(sums0, chunk_code_sums_avx2<BITS>(v0));
+    sums1 = _mm256_add_epi32(sums1, chunk_code_sums_avx2<BITS>(v1));
+#pragma GCC unroll 8
+    for (int i = 0; i < kColumns; i += 2) {
+      const __m256 xa = _mm256_broadcast_ss(x + k + i), xb = _mm256_broadcast_ss(x + k + i + 1);
+      t00 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v0, i), xa, t00);
+      t10 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v1, i), xa, t10);
+      t01 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v0, i + 1), xb, t01);
+      t11 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v1, i + 1), xb, t11);
+    }
+  }
+  if (k < block_size) {   // codes past the block's end are 0: they add nothing to the sums
+    const uint8_t* chunk = p + k / kColumns * kChunkBytes;
+    const __m256i v0 = load_half_chunk(chunk, 0), v1 = load_half_chunk(chunk, 1);
+    sums0 = _mm256_add_epi32(sums0, chunk_code_sums_avx2<BITS>(v0));
+    sums1 = _mm256_add_epi32(sums1, chunk_code_sums_avx2<BITS>(v1));
+    for (int i = 0; i < block_size - k; ++i) {
+      const __m256 xi = _mm256_broadcast_ss(x + k + i);
+      t00 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v0, i), xi, t00);
+      t10 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v1, i), xi, t10);
+    }
+  }
+  t[0] = _mm256_add_ps(t00, t01);
+  t[1] = _mm256_add_ps(t10, t11);
+  q[0] = _mm256_cvtepi32_ps(sums0);
+  q[1] = _mm256_cvtepi32_ps(sums1);
+}
+
+// M = 1 (AVX2): gemv_group's sums on x centered per block (Step::x, Step::means), one 16-row
+// group, its weights prefetched kPrefetchBytes ahead as gemv_group_vnni's.
+template <bool HALF, int BITS>
+void gemv_group_avx2(const Step& st, int64_t group) {
+  const Packed& w = *st.w;
+  const __m256 block_size = _mm256_set1_ps(static_cast<float>(w.block_size));
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_means[2] = {acc[0], acc[1]};
+  const int64_t block_bytes = w.block_bytes(), code_bytes = w.code_bytes();
+  const uint8_t* p = w.block(group, 0);
+  for (int64_t b = 0; b < w.nb; ++b, p += block_bytes) {
+    for (int64_t line = 0; line < block_bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + line + kPrefetchBytes), _MM_HINT_T1);
+    __m256 t[2], q[2];
+    block_sums_avx2<BITS>(p, st.x + b * w.block_size, w.block_size, t, q);
+    const __m256 mean = _mm256_set1_ps(st.means[b]);
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, offset;
+      load_scale_offset_avx2<HALF>(p + code_bytes, h, &scale, &offset);
+      acc[h] = _mm256_fmadd_ps(t[h], scale, acc[h]);
+      const __m256 weight_sum = _mm256_fmadd_ps(scale, q[h], _mm256_mul_ps(block_size, offset));
+      acc_means[h] = _mm256_fmadd_ps(weight_sum, mean, acc_means[h]);
+    }
+  }
+  store_group_avx2(st.y + group * kLanes, std::min<int64_t>(kLanes, w.n - group * kLanes),
+                   _mm256_add_ps(acc[0], acc_means[0]), _mm256_add_ps(acc[1], acc_means[1]));
+}
+
+// M > 1 (AVX2): one group dequantized into a [K][16] float32 panel, w = q * scale + offset (one
+// rounding, as dequantize_panel), then register tiles of up to 6 rows of x x 16 outputs.
+template <bool HALF, int BITS>
+void dequantize_panel_avx2(const Packed& w, int64_t group, float* panel) {
+  constexpr int kColumns = BITS == 4 ? 8 : 4;
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* p = w.block(group, b);
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, offset;
+      load_scale_offset_avx2<HALF>(p + w.code_bytes(), h, &scale, &offset);
+      for (int64_t j = 0; j < w.chunks(); ++j) {
+        const __m256i v = load_half_chunk(p + j * kChunkBytes, h);
+        const int columns = static_cast<int>(std::min<int64_t>(kColumns, w.block_size - kColumns * j));
+        for (int i = 0; i < columns; ++i)
+          _mm256_storeu_ps(panel + (b * w.block_size + kColumns * j + i) * kLanes + 8 * h,
+                           _mm256_fmadd_ps(column_codes_avx2<BITS>(v, i), scale, offset));
+      }
+    }
+  }
+}
+
+constexpr int64_t kTileRowsAvx2 = 6;   // 12 accumulators + 2 weights + x's broadcast: 15 of 16 registers
+
+template <int ROWS>
+void panel_tile_avx2(const Step& st, const float* panel, int64_t r0, int64_t group) {
+  const Packed& w = *st.w;
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* x = st.x + r0 * st.ldx;
+  const int64_t width = w.nb * w.block_size;
+  for (int64_t k = 0; k < width; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kLanes), w1 = _mm256_loadu_ps(panel + k * kLanes + 8);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * st.ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(w0, xr, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xr, acc[r][1]);
+    }
+  }
+  const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
+  for (int r = 0; r < ROWS; ++r) store_group_avx2(st.y + (r0 + r) * w.n + group * kLanes, lanes, acc[r][0], acc[r][1]);
+}
+
+template <bool HALF, int BITS>
+void gemm_rows_avx2(const Step& st, int64_t r0, int64_t rows, int64_t group) {
+  thread_local std::vector<float> panel;
+  panel.resize(static_cast<size_t>(st.w->nb * st.w->block_size * kLanes));
+  dequantize_panel_avx2<HALF, BITS>(*st.w, group, panel.data());
+  const float* p = panel.data();
+  for (; rows >= kTileRowsAvx2; rows -= kTileRowsAvx2, r0 += kTileRowsAvx2) panel_tile_avx2<kTileRowsAvx2>(st, p, r0, group);
+  switch (rows) {
+    case 5: return panel_tile_avx2<5>(st, p, r0, group);
+    case 4: return panel_tile_avx2<4>(st, p, r0, group);
+    case 3: return panel_tile_avx2<3>(st, p, r0, group);
+    case 2: return panel_tile_avx2<2>(st, p, r0, group);
+    case 1: return panel_tile_avx2<1>(st, p, r0, group);
+    default: return;
+  }
+}
+#endif
+
+// Portable loops (neither AVX-512 nor AVX2): the dequantized weight, one output at a time.
 float scale_at(const Packed& w, const uint8_t* p, int lane) {
   const uint8_t* s = p + w.code_bytes();
   if (w.half) {
@@ -546,7 +729,18 @@ void run_item(void* user, size_t item) {
   return w.half ? gemm_item<true, 4>(st, r0, rows, group) : gemm_item<false, 4>(st, r0, rows, group);
 #else
   const int64_t group = st.rows == 1 ? static_cast<int64_t>(item) : static_cast<int64_t>(item) % per_row_chunk * 2;
+#ifdef TRTLLM_LITE_AVX2
+  if (st.rows == 1) {
+    if (w.bits == 8) return w.half ? gemv_group_avx2<true, 8>(st, group) : gemv_group_avx2<false, 8>(st, group);
+    return w.half ? gemv_group_avx2<true, 4>(st, group) : gemv_group_avx2<false, 4>(st, group);
+  }
+  for (int64_t g = group; g < std::min(w.groups, group + 2); ++g) {
+    if (w.bits == 8) w.half ? gemm_rows_avx2<true, 8>(st, r0, rows, g) : gemm_rows_avx2<false, 8>(st, r0, rows, g);
+    else w.half ? gemm_rows_avx2<true, 4>(st, r0, rows, g) : gemm_rows_avx2<false, 4>(st, r0, rows, g);
+  }
+#else
   for (int64_t g = group; g < std::min(w.groups, group + (st.rows == 1 ? 1 : 2)); ++g) portable_rows(st, r0, rows, g);
+#endif
 #endif
 }
 
@@ -757,7 +951,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     st.x = x_buffer.data();
     st.ldx = width;
   }
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(TRTLLM_LITE_AVX2)
   if (st.rows == 1) {   // centered per block (gemv_group*; the portable loops take x as it is)
     means.resize(static_cast<size_t>(nb));
     st.means = means.data();
