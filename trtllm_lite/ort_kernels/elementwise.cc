@@ -123,6 +123,15 @@ void silu_rows(void* user, size_t item) {
       const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
       _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
     }
+#elif defined(TRTLLM_LITE_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= w; i += 8) {
+      // e = e^-|g|, never past 1: silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) below
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign));
+      const __m256 numerator = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), g);   // by g's sign bit
+      _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(numerator, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
 #endif
     for (; i < w; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
   }

@@ -46,7 +46,7 @@ struct DecodeStep {
   float* output;
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t heads_per_item;   // KV heads one work item takes: all of them, or 1 when few sequences
-  // Few sequences (AVX-512 path): each sequence's context in chunks of chunk_blocks blocks, a
+  // Few sequences (AVX-512 and AVX2 paths): each sequence's context in chunks of chunk_blocks blocks, a
   // work item per (sequence, chunk) over all KV heads; the items leave partial softmax results
   // (row max, sum of exponentials, unnormalized output) that merge_chunks combines
   // (flash-decoding's split-KV: Dao et al. 2023, "Flash-Decoding for long-context inference").
@@ -270,13 +270,150 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int6
 }
 #endif
 
+#ifdef TRTLLM_LITE_AVX2
+// v[0..7] -> one vector whose lane i is the sum of v[i]'s lanes (sum16's transpose-add, 8 lanes).
+inline __m256 sum8(const __m256 v[8]) {
+  __m256 t[4], u[2];
+  for (int k = 0; k < 4; ++k)   // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[k] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 2; ++k)   // per 128-bit lane: that lane's sums of v[4k .. 4k + 3]
+    u[k] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+
+// AVX2 version of attend_avx512 (same work items, chunks and partial results), head_dim =
+// 8 * NC, 8 positions' scores at a time; one accumulator set for the values where NC >= 4
+// (NC chains already; two sets would not fit the 16 registers).
+template <int NC>
+void attend_avx2(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_t begin, int64_t end,
+                 bool with_new, float* scores, float* acc, float* partial) {
+  constexpr int64_t d = 8 * NC;
+  const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, rows = nh * group;
+  const int64_t ctx = st.context_lens[s], stride = hkv * d;
+  const int64_t n = end - begin + (with_new ? 1 : 0);
+  if (n == 0) {   // an empty chunk (a shorter sequence's): nothing to merge
+    for (int64_t g = 0; g < rows; ++g) {
+      std::fill(partial + g * (d + 2), partial + g * (d + 2) + d, 0.0f);
+      partial[g * (d + 2) + d] = -INFINITY;
+      partial[g * (d + 2) + d + 1] = 0.0f;
+    }
+    return;
+  }
+  const float* q = st.query + (s * st.num_heads + h0 * group) * d;   // [rows, D]
+  float* q_scaled = acc;                        // [rows, D] scratch, reused for the sums below
+  for (int64_t i = 0; i < rows * d; ++i) q_scaled[i] = q[i] * st.scale;
+
+  auto score_rows = [&](const float* k, int64_t first, int64_t len) {   // k: head h0's row at first
+    for (int64_t j0 = 0; j0 < len; j0 += 8) {
+      const int64_t tile = std::min<int64_t>(8, len - j0);
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const float* kh = k + j0 * stride + hh * d;
+        for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
+          const float* qg = q_scaled + g * d;
+          __m256 dots[8];
+          for (int64_t j = 0; j < 8; ++j) {
+            if (j >= tile) {
+              dots[j] = _mm256_setzero_ps();
+              continue;
+            }
+            const float* kr = kh + j * stride;
+            __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kr));
+            for (int c = 1; c < NC; ++c) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kr + 8 * c), dot);
+            dots[j] = dot;
+          }
+          alignas(32) float tile_scores[8];
+          _mm256_store_ps(tile_scores, sum8(dots));
+          std::memcpy(scores + g * n + first + j0 - begin, tile_scores, sizeof(float) * static_cast<size_t>(tile));
+        }
+      }
+    }
+  };
+  for_each_block(st, s, h0, st.key_cache, begin, end, score_rows);
+  if (with_new) score_rows(st.key + (s * hkv + h0) * d, ctx, 1);
+
+  thread_local std::vector<float> inv_total, maxes;
+  inv_total.resize(static_cast<size_t>(rows));
+  maxes.resize(static_cast<size_t>(rows));
+  for (int64_t g = 0; g < rows; ++g) {          // exponentials in place, their sum kept
+    float* row = scores + g * n;
+    float mx = row[0];
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, row[i]);
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 total = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + i), mv));
+      _mm256_storeu_ps(row + i, e);
+      total = _mm256_add_ps(total, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, total);
+    float sum = 0.0f;
+    for (int l = 0; l < 8; ++l) sum += lanes[l];
+    for (; i < n; ++i) {
+      row[i] = exp_nonpositive(row[i] - mx);
+      sum += row[i];
+    }
+    maxes[g] = mx;
+    inv_total[g] = sum;   // the sum; inverted below for the output
+  }
+
+  std::fill(acc, acc + rows * d, 0.0f);
+  constexpr int kSets = NC >= 4 ? 1 : 2;   // accumulator sets (positions j % kSets)
+  auto add_rows = [&](const float* v, int64_t first, int64_t len) {
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const float* vh = v + hh * d;
+      for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
+        const float* p = scores + g * n + first - begin;
+        float* a = acc + g * d;
+        __m256 sums[kSets][NC];
+        for (int c = 0; c < NC; ++c) {
+          sums[0][c] = _mm256_loadu_ps(a + 8 * c);
+          if (kSets == 2) sums[kSets - 1][c] = _mm256_setzero_ps();
+        }
+        int64_t j = 0;
+        for (; j + kSets <= len; j += kSets)
+          for (int e = 0; e < kSets; ++e) {
+            const __m256 pj = _mm256_set1_ps(p[j + e]);
+            const float* vj = vh + (j + e) * stride;
+            for (int c = 0; c < NC; ++c) sums[e][c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), sums[e][c]);
+          }
+        for (; j < len; ++j) {
+          const __m256 pj = _mm256_set1_ps(p[j]);
+          for (int c = 0; c < NC; ++c) sums[0][c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vh + j * stride + 8 * c), sums[0][c]);
+        }
+        for (int c = 0; c < NC; ++c)
+          _mm256_storeu_ps(a + 8 * c, kSets == 2 ? _mm256_add_ps(sums[0][c], sums[kSets - 1][c]) : sums[0][c]);
+      }
+    }
+  };
+  for_each_block(st, s, h0, st.value_cache, begin, end, add_rows);
+  if (with_new) add_rows(st.value + (s * hkv + h0) * d, ctx, 1);
+  if (partial) {
+    for (int64_t g = 0; g < rows; ++g) {
+      std::memcpy(partial + g * (d + 2), acc + g * d, sizeof(float) * d);
+      partial[g * (d + 2) + d] = maxes[g];
+      partial[g * (d + 2) + d + 1] = inv_total[g];
+    }
+    return;
+  }
+  float* out = st.output + (s * st.num_heads + h0 * group) * d;
+  for (int64_t g = 0; g < rows; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.0f / inv_total[g]);
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_ps(out + g * d + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * d + 8 * c), inv));
+  }
+}
+#endif
+
 // One work item: KV heads [h0, h0 + heads_per_item) of one sequence (all their query heads);
 // with chunks, one chunk of one sequence's context, all KV heads.
 void attend(void* user, size_t item) {
   const DecodeStep& st = *static_cast<const DecodeStep*>(user);
   const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, nh = st.heads_per_item;
   thread_local std::vector<float> buffer;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(TRTLLM_LITE_AVX2)
   if (st.chunks_per_seq > 1) {
     const int64_t s = static_cast<int64_t>(item) / st.chunks_per_seq, c = static_cast<int64_t>(item) % st.chunks_per_seq;
     const int64_t ctx = st.context_lens[s], span = st.chunk_blocks * st.block_size;
@@ -288,10 +425,17 @@ void attend(void* user, size_t item) {
     float* acc = scores + st.num_heads * (end - begin + 1);
     float* partial = st.partial + static_cast<int64_t>(item) * st.num_heads * (st.head_dim + 2);
     switch (st.head_dim) {
+#ifdef __AVX512F__
       case 16: return attend_avx512<1>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
       case 32: return attend_avx512<2>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
       case 64: return attend_avx512<4>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
       case 128: return attend_avx512<8>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+#else
+      case 16: return attend_avx2<2>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 32: return attend_avx2<4>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 64: return attend_avx2<8>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 128: return attend_avx2<16>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+#endif
       default: return;   // chunks are only planned for these head sizes
     }
   }
@@ -308,6 +452,14 @@ void attend(void* user, size_t item) {
     case 32: return attend_avx512<2>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
     case 64: return attend_avx512<4>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
     case 128: return attend_avx512<8>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    default: break;
+  }
+#elif defined(TRTLLM_LITE_AVX2)
+  switch (st.head_dim) {
+    case 16: return attend_avx2<2>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 32: return attend_avx2<4>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 64: return attend_avx2<8>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 128: return attend_avx2<16>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
     default: break;
   }
 #endif
@@ -405,7 +557,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   // faster than per-head items at 8-64 sequences on 2 cores); with fewer sequences, a work
   // item per (sequence, KV head) keeps the threads busy
   step.heads_per_item = S >= kMinSequencesPerItemSplit ? Hkv : 1;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(TRTLLM_LITE_AVX2)
   // few sequences: chunks of the context over all KV heads (contiguous pool rows, every core
   // busy) instead of an item per KV head, where there are blocks enough to share
   int64_t longest = 0;

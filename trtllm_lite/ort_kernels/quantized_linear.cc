@@ -629,25 +629,42 @@ void dequantize_panel_avx2(const Packed& w, int64_t group, float* panel) {
   }
 }
 
-constexpr int64_t kTileRowsAvx2 = 6;   // 12 accumulators + 2 weights + x's broadcast: 15 of 16 registers
+constexpr int kTileRowsAvx2 = 6;   // 12 accumulators + 2 weights + x's broadcast: 15 of 16 registers
 
+// ROWS (1-6) rows of x from r0 x the panel's 16 outputs. The accumulators are named: as an array,
+// GCC stored its vectors to the stack every k, which bound the loop at ~1/3 of the
+// multiply-adds' rate.
 template <int ROWS>
 void panel_tile_avx2(const Step& st, const float* panel, int64_t r0, int64_t group) {
+  static_assert(ROWS >= 1 && ROWS <= kTileRowsAvx2, "a tile is 1-6 rows");
   const Packed& w = *st.w;
-  __m256 acc[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* x = st.x + r0 * st.ldx;
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+  __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  const int64_t ldx = st.ldx;
+  const float* x = st.x + r0 * ldx;
   const int64_t width = w.nb * w.block_size;
   for (int64_t k = 0; k < width; ++k) {
     const __m256 w0 = _mm256_loadu_ps(panel + k * kLanes), w1 = _mm256_loadu_ps(panel + k * kLanes + 8);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 xr = _mm256_broadcast_ss(x + r * st.ldx + k);
-      acc[r][0] = _mm256_fmadd_ps(w0, xr, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w1, xr, acc[r][1]);
-    }
+    auto row = [&](int r, __m256& low, __m256& high) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * ldx + k);
+      low = _mm256_fmadd_ps(w0, xr, low);
+      high = _mm256_fmadd_ps(w1, xr, high);
+    };
+    row(0, a00, a01);
+    if (ROWS > 1) row(1, a10, a11);
+    if (ROWS > 2) row(2, a20, a21);
+    if (ROWS > 3) row(3, a30, a31);
+    if (ROWS > 4) row(4, a40, a41);
+    if (ROWS > 5) row(5, a50, a51);
   }
   const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
-  for (int r = 0; r < ROWS; ++r) store_group_avx2(st.y + (r0 + r) * w.n + group * kLanes, lanes, acc[r][0], acc[r][1]);
+  float* y = st.y + r0 * w.n + group * kLanes;
+  store_group_avx2(y, lanes, a00, a01);
+  if (ROWS > 1) store_group_avx2(y + w.n, lanes, a10, a11);
+  if (ROWS > 2) store_group_avx2(y + 2 * w.n, lanes, a20, a21);
+  if (ROWS > 3) store_group_avx2(y + 3 * w.n, lanes, a30, a31);
+  if (ROWS > 4) store_group_avx2(y + 4 * w.n, lanes, a40, a41);
+  if (ROWS > 5) store_group_avx2(y + 5 * w.n, lanes, a50, a51);
 }
 
 template <bool HALF, int BITS>
