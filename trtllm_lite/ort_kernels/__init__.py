@@ -19,7 +19,8 @@ where the library is registered with the session and inlines the function otherw
 missing compiler costs speed, never correctness.
 
 The library is compiled with the host C++ compiler (``$CXX``, default ``g++``) for this CPU
-(``-march=native``) into a cache folder keyed by the sources, flags, compiler and CPU:
+(``-march=native``: AVX-512 loops where the CPU has AVX-512, AVX2 + FMA + F16C loops where it
+has those, portable C++ otherwise) into a cache folder keyed by the sources, flags, compiler and CPU:
 ``$TRTLLM_LITE_CACHE_DIR/ort_kernels/<key>/`` (default ``~/.cache/trtllm_lite``). The first
 build takes a few seconds; later processes load the cached file.
 
@@ -87,7 +88,7 @@ def build_library(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()
     """Compile the kernels (or reuse the cached build) and return the library's path.
 
     ``extra_flags`` go after :data:`CXX_FLAGS` (with an explicit ``out_dir``: tests build the
-    portable loops with ``-mno-avx512f``).
+    AVX2 loops with ``-mno-avx512f`` and the portable ones with ``-mno-avx512f -mno-avx2``).
 
     Raises:
         KernelBuildError: no C++ compiler, or it failed (its output in the message).

@@ -121,6 +121,26 @@ void attend_portable(const DecodeStep& st, int64_t s, int64_t h, float* scores, 
   std::memcpy(st.output + (s * st.num_heads + h * group) * d, acc, sizeof(float) * group * d);
 }
 
+// A chunk's partial results for merge_chunks, [rows, D + 2] per query head: the unnormalized
+// output, the row max, the sum of exponentials; an empty chunk (a shorter sequence's) as
+// max -inf and sum 0, which the merge skips.
+[[maybe_unused]] void write_partial(float* partial, const float* acc, const float* maxes, const float* sums,
+                                    int64_t rows, int64_t d) {
+  for (int64_t g = 0; g < rows; ++g) {
+    std::memcpy(partial + g * (d + 2), acc + g * d, sizeof(float) * d);
+    partial[g * (d + 2) + d] = maxes[g];
+    partial[g * (d + 2) + d + 1] = sums[g];
+  }
+}
+
+[[maybe_unused]] void write_empty_partial(float* partial, int64_t rows, int64_t d) {
+  for (int64_t g = 0; g < rows; ++g) {
+    std::fill(partial + g * (d + 2), partial + g * (d + 2) + d, 0.0f);
+    partial[g * (d + 2) + d] = -INFINITY;
+    partial[g * (d + 2) + d + 1] = 0.0f;
+  }
+}
+
 #ifdef __AVX512F__
 // v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes: a transpose-add in four
 // steps (pairs within 128-bit lanes, then quads, then across the 128-bit lanes), 45 shuffles
@@ -151,14 +171,7 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int6
   const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, rows = nh * group;
   const int64_t ctx = st.context_lens[s], stride = hkv * d;
   const int64_t n = end - begin + (with_new ? 1 : 0);
-  if (n == 0) {   // an empty chunk (a shorter sequence's): nothing to merge
-    for (int64_t g = 0; g < rows; ++g) {
-      std::fill(partial + g * (d + 2), partial + g * (d + 2) + d, 0.0f);
-      partial[g * (d + 2) + d] = -INFINITY;
-      partial[g * (d + 2) + d + 1] = 0.0f;
-    }
-    return;
-  }
+  if (n == 0) return write_empty_partial(partial, rows, d);   // a shorter sequence's chunk
   const float* q = st.query + (s * st.num_heads + h0 * group) * d;   // [rows, D]
   float* q_scaled = acc;                        // [rows, D] scratch, reused for the sums below
   for (int64_t i = 0; i < rows * d; ++i) q_scaled[i] = q[i] * st.scale;
@@ -253,14 +266,7 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int6
   };
   for_each_block(st, s, h0, st.value_cache, begin, end, add_rows);
   if (with_new) add_rows(st.value + (s * hkv + h0) * d, ctx, 1);
-  if (partial) {
-    for (int64_t g = 0; g < rows; ++g) {
-      std::memcpy(partial + g * (d + 2), acc + g * d, sizeof(float) * d);
-      partial[g * (d + 2) + d] = maxes[g];
-      partial[g * (d + 2) + d + 1] = inv_total[g];
-    }
-    return;
-  }
+  if (partial) return write_partial(partial, acc, maxes.data(), inv_total.data(), rows, d);
   float* out = st.output + (s * st.num_heads + h0 * group) * d;
   for (int64_t g = 0; g < rows; ++g) {
     const __m512 inv = _mm512_set1_ps(1.0f / inv_total[g]);
@@ -292,14 +298,7 @@ void attend_avx2(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_
   const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, rows = nh * group;
   const int64_t ctx = st.context_lens[s], stride = hkv * d;
   const int64_t n = end - begin + (with_new ? 1 : 0);
-  if (n == 0) {   // an empty chunk (a shorter sequence's): nothing to merge
-    for (int64_t g = 0; g < rows; ++g) {
-      std::fill(partial + g * (d + 2), partial + g * (d + 2) + d, 0.0f);
-      partial[g * (d + 2) + d] = -INFINITY;
-      partial[g * (d + 2) + d + 1] = 0.0f;
-    }
-    return;
-  }
+  if (n == 0) return write_empty_partial(partial, rows, d);   // a shorter sequence's chunk
   const float* q = st.query + (s * st.num_heads + h0 * group) * d;   // [rows, D]
   float* q_scaled = acc;                        // [rows, D] scratch, reused for the sums below
   for (int64_t i = 0; i < rows * d; ++i) q_scaled[i] = q[i] * st.scale;
@@ -390,14 +389,7 @@ void attend_avx2(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_
   };
   for_each_block(st, s, h0, st.value_cache, begin, end, add_rows);
   if (with_new) add_rows(st.value + (s * hkv + h0) * d, ctx, 1);
-  if (partial) {
-    for (int64_t g = 0; g < rows; ++g) {
-      std::memcpy(partial + g * (d + 2), acc + g * d, sizeof(float) * d);
-      partial[g * (d + 2) + d] = maxes[g];
-      partial[g * (d + 2) + d + 1] = inv_total[g];
-    }
-    return;
-  }
+  if (partial) return write_partial(partial, acc, maxes.data(), inv_total.data(), rows, d);
   float* out = st.output + (s * st.num_heads + h0 * group) * d;
   for (int64_t g = 0; g < rows; ++g) {
     const __m256 inv = _mm256_set1_ps(1.0f / inv_total[g]);

@@ -48,6 +48,8 @@
 //     values was ~10x float32's error, found by QA; the fourth plane costs ~7% of SmolLM2 int4's
 //     batch-1 speed.) On a CPU with two 512-bit ports the float loop below is bound by its
 //     permutes at ~15 GB/s a core; this one is not.
+//   M = 1, AVX2 (no AVX-512): the same centering, x as 30-bit integers in two int16 planes, and
+//     vpmaddwd of pairs of codes by pairs of x (gemv_group_pairs_avx2): exact integer sums.
 //   M = 1 without VNNI: the same centering, in float32: per block t = sum_k c_k q[:, k]
 //     (c broadcast; a code becomes a float by one permute: vpermps reads the low 4 bits of
 //     each index lane, so the 16-entry table {0, 1, ..., 15} turns codes into floats without
@@ -186,7 +188,8 @@ struct Step {
   const float* means;  // M = 1 (AVX-512 build): [nb] block means of x, which x then holds
                        // centered per block (gemv_group)
   const uint8_t* planes;   // M = 1 (VNNI): [nb][4][chunks * 8] the byte planes of C + 2^31
-  const float* factors;    // M = 1 (VNNI): [nb][2] 2^-s_b as two factors
+  const float* factors;    // M = 1 (VNNI, AVX2): [nb][2] 2^-s_b as two factors
+  const int32_t* pairs;    // M = 1 (AVX2): x's int16 pairs (x_pairs_avx2)
   float* y;            // [M, N]
   int64_t rows, ldx;
 };
@@ -210,6 +213,29 @@ struct Step {
     for (int64_t i = 0; i < block_size; ++i) centered[b * block_size + i] = xb[i] - mean;
   }
 }
+
+#if defined(TRTLLM_LITE_VNNI) || defined(TRTLLM_LITE_AVX2)
+// 2^e for e in [-126, 127] (a normal float: its exponent bits), without a libm call.
+inline float power_of_two(int e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// std::frexp's exponent of a finite a >= 0 (a < 2^e), from its bits where a is normal.
+inline int exponent_of(float a) {
+  uint32_t bits;
+  std::memcpy(&bits, &a, 4);
+  const int biased = static_cast<int>(bits >> 23);
+  if (biased == 0) {   // zero or subnormal
+    int e = 0;
+    std::frexp(a, &e);
+    return e;
+  }
+  return biased - 126;
+}
+#endif
 
 #ifdef __AVX512F__
 
@@ -243,27 +269,6 @@ inline __mmask16 lanes_mask(const Packed& w, int64_t group) {
 }
 
 #ifdef TRTLLM_LITE_VNNI
-// 2^e for e in [-126, 127] (a normal float: its exponent bits), without a libm call.
-inline float power_of_two(int e) {
-  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// std::frexp's exponent of a finite a >= 0 (a < 2^e), from its bits where a is normal.
-inline int exponent_of(float a) {
-  uint32_t bits;
-  std::memcpy(&bits, &a, 4);
-  const int biased = static_cast<int>(bits >> 23);
-  if (biased == 0) {   // zero or subnormal
-    int e = 0;
-    std::frexp(a, &e);
-    return e;
-  }
-  return biased - 126;
-}
-
 // x (one row) centered per block and written as 32-bit integers, per block b: means[b] = the
 // block's mean, C = round((x - means[b]) * 2^s_b), s_b putting the block's largest
 // |x - mean| in [2^30, 2^31), stored as the four bytes of C + 2^31 (planes [nb][4][width],
@@ -489,9 +494,10 @@ void gemm_item(const Step& st, int64_t r0, int64_t rows, int64_t group) {
 
 #ifdef TRTLLM_LITE_AVX2
 // AVX2 + FMA + F16C (no AVX-512): the same layout, each 64-byte chunk read as two 8-row halves
-// (one 256-bit vector holds 8 rows x 4 bytes), with the float32 arithmetic of gemv_group and
-// the M > 1 loops. A code becomes a float by a shift, a mask and a conversion (AVX2's vpermps
-// takes only 8 entries).
+// (one 256-bit vector holds 8 rows x 4 bytes). Batch 1: integer sums of code pairs times x's
+// int16 pairs (gemv_group_pairs_avx2); M > 1: the float32 panel and tiles of the AVX-512 build,
+// a code becoming a float by a shift, a mask and a conversion (AVX2's vpermps takes only 8
+// entries).
 inline __m256i load_half_chunk(const uint8_t* chunk, int half) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * half));
 }
@@ -529,78 +535,116 @@ inline void store_group_avx2(float* y, int64_t lanes, __m256 low, __m256 high) {
   std::memcpy(y, rows, sizeof(float) * static_cast<size_t>(lanes));
 }
 
-// Each row's sum of the codes in an 8-row half chunk (int32 lanes): a chunk's 4-bit codes
-// are one nibble each, its 8-bit ones signed bytes. The integer sums keep the float adds (and
-// their registers) out of block_half_avx2's loop.
+// Batch 1 (AVX2), integer form: x centered per block and written as 30-bit integers
+// C = round(c * 2^s_b) (s_b puts the block's largest |c| in [2^29, 2^30)), split into two
+// int16 planes, C = 2^15 hi + lo (lo in [0, 2^15)), laid out per chunk as the code pairs of
+// pair_codes_avx2: [nb][chunks][2 planes][pairs] int32, each the two int16 x values of a pair of
+// columns (4-bit: (0, 2), (4, 6), (1, 3), (5, 7) of the chunk's 8; 8-bit: (0, 2), (1, 3) of its
+// 4), columns past the block's end 0. factors [nb][2]: 2^-s_b as two factors; a block with a
+// NaN or infinity gets factor NaN (its outputs NaN, as float32's). Against float32: each c is
+// within 2^-31 of the block's largest |c| (float32 rounds each to 2^-24 of its own), the sums
+// are exact.
+constexpr int kPairColumns4[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
+constexpr int kPairColumns8[2][2] = {{0, 2}, {1, 3}};
+
 template <int BITS>
-inline __m256i chunk_code_sums_avx2(__m256i v) {
-  const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
-  if (BITS == 8) return _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, v), ones16);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i nibbles = _mm256_add_epi8(_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles, ones8), ones16);
+void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, float* means, int32_t* pairs, float* factors) {
+  constexpr int kColumns = BITS == 4 ? 8 : 4, kPairs = kColumns / 2;
+  const int64_t chunks = (block_size + kColumns - 1) / kColumns;
+  const float inv = 1.0f / static_cast<float>(block_size);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * block_size;
+    int32_t* out = pairs + b * chunks * 2 * kPairs;
+    float mean = 0.0f;   // a sum of x / block_size: a sum of x could overflow where the mean does not
+#pragma omp simd reduction(+ : mean)
+    for (int64_t i = 0; i < block_size; ++i) mean += xb[i] * inv;
+    means[b] = mean;
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < block_size; ++i) amax = std::max(amax, std::fabs(xb[i] - mean));
+    if (!std::isfinite(mean) || !std::isfinite(amax)) {   // NaN/inf in x (a NaN makes the mean NaN)
+      factors[2 * b] = factors[2 * b + 1] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(out, out + chunks * 2 * kPairs, 0);
+      continue;
+    }
+    const int shift = 30 - exponent_of(amax), half = shift / 2;
+    factors[2 * b] = power_of_two(-half);
+    factors[2 * b + 1] = power_of_two(half - shift);
+    const float up1 = power_of_two(half), up2 = power_of_two(shift - half);
+    thread_local std::vector<int32_t> c;   // the block's C, 0 past its end
+    c.assign(static_cast<size_t>(chunks * kColumns), 0);
+    int32_t* cb = c.data();
+#pragma omp simd
+    for (int64_t k = 0; k < block_size; ++k)   // |C| < 2^30; to nearest, ties to even (vcvtps2dq)
+      cb[k] = static_cast<int32_t>(std::nearbyint((xb[k] - mean) * up1 * up2));
+    for (int64_t j = 0; j < chunks; ++j)
+      for (int p = 0; p < kPairs; ++p) {
+        const int* cols = BITS == 4 ? kPairColumns4[p] : kPairColumns8[p];
+        const int32_t first = cb[j * kColumns + cols[0]], second = cb[j * kColumns + cols[1]];
+        // C = 2^15 hi + lo, lo in [0, 2^15), hi = C >> 15 (arithmetic)
+        const int32_t lo_a = first & 0x7FFF, hi_a = first >> 15, lo_b = second & 0x7FFF, hi_b = second >> 15;
+        out[(j * 2 + 0) * kPairs + p] = static_cast<int32_t>(static_cast<uint32_t>(lo_a) | static_cast<uint32_t>(lo_b) << 16);
+        out[(j * 2 + 1) * kPairs + p] =
+            static_cast<int32_t>((static_cast<uint32_t>(hi_a) & 0xFFFF) | static_cast<uint32_t>(hi_b) << 16);
+      }
+  }
 }
 
-// A block's two 8-row halves: t[h] = sum_k code_k x_k, q[h] = sum_k code_k over its columns,
-// columns of a chunk past the block's end skipped; each x broadcast once for both halves, two
-// multiply-add chains per half.
+// An 8-row half chunk's codes as int16 pairs per row (32-bit lane), in x_pairs_avx2's pair order:
+// 4-bit: the nibbles at bits 0/16, 4/20, 8/24, 12/28; 8-bit: bytes 0/2, 1/3 sign-extended.
 template <int BITS>
-inline void block_sums_avx2(const uint8_t* p, const float* x, int64_t block_size, __m256 t[2], __m256 q[2]) {
-  constexpr int kColumns = BITS == 4 ? 8 : 4;
-  __m256 t00 = _mm256_setzero_ps(), t01 = t00, t10 = t00, t11 = t00;
-  __m256i sums0 = _mm256_setzero_si256(), sums1 = sums0;
-  int64_t k = 0;
-  for (; k + kColumns <= block_size; k += kColumns) {
-    const uint8_t* chunk = p + k / kColumns * kChunkBytes;
-    const __m256i v0 = load_half_chunk(chunk, 0), v1 = load_half_chunk(chunk, 1);
-    sums0 = _mm256_add_epi32(sums0, chunk_code_sums_avx2<BITS>(v0));
-    sums1 = _mm256_add_epi32(sums1, chunk_code_sums_avx2<BITS>(v1));
-#pragma GCC unroll 8
-    for (int i = 0; i < kColumns; i += 2) {
-      const __m256 xa = _mm256_broadcast_ss(x + k + i), xb = _mm256_broadcast_ss(x + k + i + 1);
-      t00 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v0, i), xa, t00);
-      t10 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v1, i), xa, t10);
-      t01 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v0, i + 1), xb, t01);
-      t11 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v1, i + 1), xb, t11);
-    }
+inline void pair_codes_avx2(__m256i v, __m256i codes[4]) {
+  if (BITS == 8) {
+    codes[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+    codes[1] = _mm256_srai_epi16(v, 8);
+    return;
   }
-  if (k < block_size) {   // codes past the block's end are 0: they add nothing to the sums
-    const uint8_t* chunk = p + k / kColumns * kChunkBytes;
-    const __m256i v0 = load_half_chunk(chunk, 0), v1 = load_half_chunk(chunk, 1);
-    sums0 = _mm256_add_epi32(sums0, chunk_code_sums_avx2<BITS>(v0));
-    sums1 = _mm256_add_epi32(sums1, chunk_code_sums_avx2<BITS>(v1));
-    for (int i = 0; i < block_size - k; ++i) {
-      const __m256 xi = _mm256_broadcast_ss(x + k + i);
-      t00 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v0, i), xi, t00);
-      t10 = _mm256_fmadd_ps(column_codes_avx2<BITS>(v1, i), xi, t10);
-    }
-  }
-  t[0] = _mm256_add_ps(t00, t01);
-  t[1] = _mm256_add_ps(t10, t11);
-  q[0] = _mm256_cvtepi32_ps(sums0);
-  q[1] = _mm256_cvtepi32_ps(sums1);
+  const __m256i mask = _mm256_set1_epi32(0x000F000F);
+  codes[0] = _mm256_and_si256(v, mask);
+  codes[1] = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
+  codes[2] = _mm256_and_si256(_mm256_srli_epi32(v, 8), mask);
+  codes[3] = _mm256_and_si256(_mm256_srli_epi32(v, 12), mask);
 }
 
-// M = 1 (AVX2): gemv_group's sums on x centered per block (Step::x, Step::means), one 16-row
-// group, its weights prefetched kPrefetchBytes ahead as gemv_group_vnni's.
+// M = 1 (AVX2): one 16-row group on x's int16 pairs (x_pairs_avx2): per block and 8-row half,
+// vpmaddwd of each pair of codes by each plane's pair of x (products summed in pairs to int32:
+// at most 2 x 2^15 x 128, never past int32 over a block of up to 2^14), then
+// sum_k c_k q_k = (2^15 A_hi + A_lo) / 2^s_b and gemv_group's y +=. No float conversion per
+// weight: the float32 loop was bound by vcvtdq2ps, one per 8 weights a cycle on Zen 3.
 template <bool HALF, int BITS>
-void gemv_group_avx2(const Step& st, int64_t group) {
+void gemv_group_pairs_avx2(const Step& st, int64_t group) {
+  constexpr int kPairs = BITS == 4 ? 4 : 2;
   const Packed& w = *st.w;
+  const int64_t chunks = w.chunks(), block_bytes = w.block_bytes(), code_bytes = w.code_bytes();
+  const __m256i ones16 = _mm256_set1_epi16(1);
   const __m256 block_size = _mm256_set1_ps(static_cast<float>(w.block_size));
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_means[2] = {acc[0], acc[1]};
-  const int64_t block_bytes = w.block_bytes(), code_bytes = w.code_bytes();
   const uint8_t* p = w.block(group, 0);
   for (int64_t b = 0; b < w.nb; ++b, p += block_bytes) {
     for (int64_t line = 0; line < block_bytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + line + kPrefetchBytes), _MM_HINT_T1);
-    __m256 t[2], q[2];
-    block_sums_avx2<BITS>(p, st.x + b * w.block_size, w.block_size, t, q);
+    const int32_t* xb = st.pairs + b * chunks * 2 * kPairs;
+    const __m256 f0 = _mm256_set1_ps(st.factors[2 * b]), f1 = _mm256_set1_ps(st.factors[2 * b + 1]);
     const __m256 mean = _mm256_set1_ps(st.means[b]);
     for (int h = 0; h < 2; ++h) {
+      __m256i a_lo = _mm256_setzero_si256(), a_hi = a_lo, q = a_lo;
+      for (int64_t j = 0; j < chunks; ++j) {
+        __m256i codes[4];
+        pair_codes_avx2<BITS>(load_half_chunk(p + j * kChunkBytes, h), codes);
+        const int32_t* xj = xb + j * 2 * kPairs;
+        __m256i code_sum = codes[0];
+        for (int c = 0; c < kPairs; ++c) {
+          a_lo = _mm256_add_epi32(a_lo, _mm256_madd_epi16(codes[c], _mm256_set1_epi32(xj[c])));
+          a_hi = _mm256_add_epi32(a_hi, _mm256_madd_epi16(codes[c], _mm256_set1_epi32(xj[kPairs + c])));
+          if (c) code_sum = _mm256_add_epi16(code_sum, codes[c]);
+        }
+        q = _mm256_add_epi32(q, _mm256_madd_epi16(code_sum, ones16));
+      }
       __m256 scale, offset;
       load_scale_offset_avx2<HALF>(p + code_bytes, h, &scale, &offset);
-      acc[h] = _mm256_fmadd_ps(t[h], scale, acc[h]);
-      const __m256 weight_sum = _mm256_fmadd_ps(scale, q[h], _mm256_mul_ps(block_size, offset));
+      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a_hi), _mm256_set1_ps(32768.0f), _mm256_cvtepi32_ps(a_lo));
+      acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(t, f0), _mm256_mul_ps(scale, f1), acc[h]);
+      const __m256 weight_sum = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(q), _mm256_mul_ps(block_size, offset));
       acc_means[h] = _mm256_fmadd_ps(weight_sum, mean, acc_means[h]);
     }
   }
@@ -748,8 +792,8 @@ void run_item(void* user, size_t item) {
   const int64_t group = st.rows == 1 ? static_cast<int64_t>(item) : static_cast<int64_t>(item) % per_row_chunk * 2;
 #ifdef TRTLLM_LITE_AVX2
   if (st.rows == 1) {
-    if (w.bits == 8) return w.half ? gemv_group_avx2<true, 8>(st, group) : gemv_group_avx2<false, 8>(st, group);
-    return w.half ? gemv_group_avx2<true, 4>(st, group) : gemv_group_avx2<false, 4>(st, group);
+    if (w.bits == 8) return w.half ? gemv_group_pairs_avx2<true, 8>(st, group) : gemv_group_pairs_avx2<false, 8>(st, group);
+    return w.half ? gemv_group_pairs_avx2<true, 4>(st, group) : gemv_group_pairs_avx2<false, 4>(st, group);
   }
   for (int64_t g = group; g < std::min(w.groups, group + 2); ++g) {
     if (w.bits == 8) w.half ? gemm_rows_avx2<true, 8>(st, r0, rows, g) : gemm_rows_avx2<false, 8>(st, r0, rows, g);
@@ -959,6 +1003,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   const int64_t nb = packed.nb, width = nb * block_size;
   thread_local std::vector<float> x_buffer, means, centered, factors;
   thread_local std::vector<uint8_t> planes;
+  thread_local std::vector<int32_t> pairs;
   st.x = x_data;
   st.ldx = x_width;
   if (width != x_width) {
@@ -977,6 +1022,15 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     factors.resize(static_cast<size_t>(2 * nb));
     integer_planes(st.x, nb, block_size, packed.width(), means.data(), planes.data(), factors.data());
     st.planes = planes.data();
+    st.factors = factors.data();
+#elif defined(TRTLLM_LITE_AVX2)
+    pairs.resize(static_cast<size_t>(nb * packed.width()));
+    factors.resize(static_cast<size_t>(2 * nb));
+    if (packed.bits == 8)
+      x_pairs_avx2<8>(st.x, nb, block_size, means.data(), pairs.data(), factors.data());
+    else
+      x_pairs_avx2<4>(st.x, nb, block_size, means.data(), pairs.data(), factors.data());
+    st.pairs = pairs.data();
     st.factors = factors.data();
 #else
     centered.resize(static_cast<size_t>(width));
