@@ -137,12 +137,12 @@ def test_matmul_nbits_computes_the_dequantized_weight(case):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] != 8 and c != ("gguf", "Q8_0")], ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("rows", [1, 3, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 70])
 def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, case, rows):
     """The ONNX Runtime graphs' 4-bit linear, one ``QuantizedLinear`` node: its C++ kernel
-    (both builds: batch-1 and tiled paths, 16-row groups with a partial last one where N is
-    37, K padded to whole blocks where it is 100) and its function body (MatMulNBits +
-    AddBlockOffsets) against x @ dequant(W)^T in float64."""
+    (every build: batch-1 paths, up to 4 rows in one pass on AVX2, and tiled paths, 16-row
+    groups with a partial last one where N is 37, K padded to whole blocks where it is 100)
+    and its function body (MatMulNBits + AddBlockOffsets) against x @ dequant(W)^T in float64."""
     q = case_weight(case, n=37)
     x = np.random.default_rng(rows).standard_normal((rows, q.k)).astype(np.float32)
     expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T

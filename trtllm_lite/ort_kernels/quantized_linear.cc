@@ -606,50 +606,71 @@ inline void pair_codes_avx2(__m256i v, __m256i codes[4]) {
   codes[3] = _mm256_and_si256(_mm256_srli_epi32(v, 12), mask);
 }
 
-// M = 1 (AVX2): one 16-row group on x's int16 pairs (x_pairs_avx2): per block and 8-row half,
-// vpmaddwd of each pair of codes by each plane's pair of x (products summed in pairs to int32:
-// at most 2 x 2^15 x 128, never past int32 over a block of up to 2^14), then
-// sum_k c_k q_k = (2^15 A_hi + A_lo) / 2^s_b and gemv_group's y +=. No float conversion per
-// weight: the float32 loop was bound by vcvtdq2ps, one per 8 weights a cycle on Zen 3.
-template <bool HALF, int BITS>
+// M <= 4 (AVX2): one 16-row group on the int16 pairs of ROWS rows of x (x_pairs_avx2, one
+// [nb * width] stretch per row): per block and 8-row half, vpmaddwd of each pair of codes by
+// each plane's pair of x (products summed in pairs to int32: at most 2 x 2^15 x 128, never
+// past int32 over a block of up to 2^14), then sum_k c_k q_k = (2^15 A_hi + A_lo) / 2^s_b and
+// gemv_group's y +=. No float conversion per weight (the float32 loop's vcvtdq2ps, one per 8
+// weights a cycle on Zen 3), and the codes unpacked once for every row: with up to 4 rows the
+// weights are read once, where the M > 1 panel writes each as a float32 first.
+template <bool HALF, int BITS, int ROWS>
 void gemv_group_pairs_avx2(const Step& st, int64_t group) {
   constexpr int kPairs = BITS == 4 ? 4 : 2;
   const Packed& w = *st.w;
   const int64_t chunks = w.chunks(), block_bytes = w.block_bytes(), code_bytes = w.code_bytes();
+  const int64_t row_pairs = w.nb * chunks * 2 * kPairs;   // one row's x_pairs_avx2 output
   const __m256i ones16 = _mm256_set1_epi16(1);
   const __m256 block_size = _mm256_set1_ps(static_cast<float>(w.block_size));
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, acc_means[2] = {acc[0], acc[1]};
+  __m256 acc[ROWS][2], acc_means[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = acc_means[r][0] = acc_means[r][1] = _mm256_setzero_ps();
   const uint8_t* p = w.block(group, 0);
   for (int64_t b = 0; b < w.nb; ++b, p += block_bytes) {
     for (int64_t line = 0; line < block_bytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + line + kPrefetchBytes), _MM_HINT_T1);
     const int32_t* xb = st.pairs + b * chunks * 2 * kPairs;
-    const __m256 f0 = _mm256_set1_ps(st.factors[2 * b]), f1 = _mm256_set1_ps(st.factors[2 * b + 1]);
-    const __m256 mean = _mm256_set1_ps(st.means[b]);
     for (int h = 0; h < 2; ++h) {
-      __m256i a_lo = _mm256_setzero_si256(), a_hi = a_lo, q = a_lo;
+      __m256i a_lo[ROWS], a_hi[ROWS], q = _mm256_setzero_si256();
+      for (int r = 0; r < ROWS; ++r) a_lo[r] = a_hi[r] = q;
       for (int64_t j = 0; j < chunks; ++j) {
         __m256i codes[4];
         pair_codes_avx2<BITS>(load_half_chunk(p + j * kChunkBytes, h), codes);
-        const int32_t* xj = xb + j * 2 * kPairs;
         __m256i code_sum = codes[0];
-        for (int c = 0; c < kPairs; ++c) {
-          a_lo = _mm256_add_epi32(a_lo, _mm256_madd_epi16(codes[c], _mm256_set1_epi32(xj[c])));
-          a_hi = _mm256_add_epi32(a_hi, _mm256_madd_epi16(codes[c], _mm256_set1_epi32(xj[kPairs + c])));
-          if (c) code_sum = _mm256_add_epi16(code_sum, codes[c]);
-        }
+        for (int c = 1; c < kPairs; ++c) code_sum = _mm256_add_epi16(code_sum, codes[c]);
         q = _mm256_add_epi32(q, _mm256_madd_epi16(code_sum, ones16));
+        for (int r = 0; r < ROWS; ++r) {
+          const int32_t* xj = xb + r * row_pairs + j * 2 * kPairs;
+          for (int c = 0; c < kPairs; ++c) {
+            a_lo[r] = _mm256_add_epi32(a_lo[r], _mm256_madd_epi16(codes[c], _mm256_set1_epi32(xj[c])));
+            a_hi[r] = _mm256_add_epi32(a_hi[r], _mm256_madd_epi16(codes[c], _mm256_set1_epi32(xj[kPairs + c])));
+          }
+        }
       }
       __m256 scale, offset;
       load_scale_offset_avx2<HALF>(p + code_bytes, h, &scale, &offset);
-      const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a_hi), _mm256_set1_ps(32768.0f), _mm256_cvtepi32_ps(a_lo));
-      acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(t, f0), _mm256_mul_ps(scale, f1), acc[h]);
       const __m256 weight_sum = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(q), _mm256_mul_ps(block_size, offset));
-      acc_means[h] = _mm256_fmadd_ps(weight_sum, mean, acc_means[h]);
+      for (int r = 0; r < ROWS; ++r) {
+        const float* factors = st.factors + r * 2 * w.nb + 2 * b;
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a_hi[r]), _mm256_set1_ps(32768.0f), _mm256_cvtepi32_ps(a_lo[r]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(factors[0])),
+                                    _mm256_mul_ps(scale, _mm256_set1_ps(factors[1])), acc[r][h]);
+        acc_means[r][h] = _mm256_fmadd_ps(weight_sum, _mm256_set1_ps(st.means[r * w.nb + b]), acc_means[r][h]);
+      }
     }
   }
-  store_group_avx2(st.y + group * kLanes, std::min<int64_t>(kLanes, w.n - group * kLanes),
-                   _mm256_add_ps(acc[0], acc_means[0]), _mm256_add_ps(acc[1], acc_means[1]));
+  const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
+  for (int r = 0; r < ROWS; ++r)
+    store_group_avx2(st.y + r * w.n + group * kLanes, lanes, _mm256_add_ps(acc[r][0], acc_means[r][0]),
+                     _mm256_add_ps(acc[r][1], acc_means[r][1]));
+}
+
+template <bool HALF, int BITS>
+void gemv_rows_pairs_avx2(const Step& st, int64_t group) {
+  switch (st.rows) {
+    case 1: return gemv_group_pairs_avx2<HALF, BITS, 1>(st, group);
+    case 2: return gemv_group_pairs_avx2<HALF, BITS, 2>(st, group);
+    case 3: return gemv_group_pairs_avx2<HALF, BITS, 3>(st, group);
+    default: return gemv_group_pairs_avx2<HALF, BITS, 4>(st, group);
+  }
 }
 
 // M > 1 (AVX2): one group dequantized into a [K][16] float32 panel, w = q * scale + offset (one
@@ -764,8 +785,17 @@ float offset_at(const Packed& w, const uint8_t* p, int lane) {
   }
 }
 
-// Work items: M = 1, one group each; M > 1, kRowsPerItem rows x a pair of groups each.
-int64_t group_items(const Step& st) { return st.rows == 1 ? st.w->groups : (st.w->groups + 1) / 2; }
+// Rows of x the batch-1 loops take in one pass over the weights: 1, or up to 4 on AVX2
+// (gemv_group_pairs_avx2); more take the M > 1 panel.
+#ifdef TRTLLM_LITE_AVX2
+constexpr int64_t kPairRowsAvx2 = 4;
+inline bool gemv_rows(const Step& st) { return st.rows <= kPairRowsAvx2; }
+#else
+inline bool gemv_rows(const Step& st) { return st.rows == 1; }
+#endif
+
+// Work items: batch 1 (gemv_rows), one group each; else kRowsPerItem rows x a pair of groups each.
+int64_t group_items(const Step& st) { return gemv_rows(st) ? st.w->groups : (st.w->groups + 1) / 2; }
 
 void run_item(void* user, size_t item) {
   const Step& st = *static_cast<const Step*>(user);
@@ -789,11 +819,11 @@ void run_item(void* user, size_t item) {
   if (w.bits == 8) return w.half ? gemm_item<true, 8>(st, r0, rows, group) : gemm_item<false, 8>(st, r0, rows, group);
   return w.half ? gemm_item<true, 4>(st, r0, rows, group) : gemm_item<false, 4>(st, r0, rows, group);
 #else
-  const int64_t group = st.rows == 1 ? static_cast<int64_t>(item) : static_cast<int64_t>(item) % per_row_chunk * 2;
+  const int64_t group = gemv_rows(st) ? static_cast<int64_t>(item) : static_cast<int64_t>(item) % per_row_chunk * 2;
 #ifdef TRTLLM_LITE_AVX2
-  if (st.rows == 1) {
-    if (w.bits == 8) return w.half ? gemv_group_pairs_avx2<true, 8>(st, group) : gemv_group_pairs_avx2<false, 8>(st, group);
-    return w.half ? gemv_group_pairs_avx2<true, 4>(st, group) : gemv_group_pairs_avx2<false, 4>(st, group);
+  if (gemv_rows(st)) {
+    if (w.bits == 8) return w.half ? gemv_rows_pairs_avx2<true, 8>(st, group) : gemv_rows_pairs_avx2<false, 8>(st, group);
+    return w.half ? gemv_rows_pairs_avx2<true, 4>(st, group) : gemv_rows_pairs_avx2<false, 4>(st, group);
   }
   for (int64_t g = group; g < std::min(w.groups, group + 2); ++g) {
     if (w.bits == 8) w.half ? gemm_rows_avx2<true, 8>(st, r0, rows, g) : gemm_rows_avx2<false, 8>(st, r0, rows, g);
@@ -1013,7 +1043,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     st.x = x_buffer.data();
     st.ldx = width;
   }
-#if defined(__AVX512F__) || defined(TRTLLM_LITE_AVX2)
+#ifdef __AVX512F__
   if (st.rows == 1) {   // centered per block (gemv_group*; the portable loops take x as it is)
     means.resize(static_cast<size_t>(nb));
     st.means = means.data();
@@ -1023,15 +1053,6 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     integer_planes(st.x, nb, block_size, packed.width(), means.data(), planes.data(), factors.data());
     st.planes = planes.data();
     st.factors = factors.data();
-#elif defined(TRTLLM_LITE_AVX2)
-    pairs.resize(static_cast<size_t>(nb * packed.width()));
-    factors.resize(static_cast<size_t>(2 * nb));
-    if (packed.bits == 8)
-      x_pairs_avx2<8>(st.x, nb, block_size, means.data(), pairs.data(), factors.data());
-    else
-      x_pairs_avx2<4>(st.x, nb, block_size, means.data(), pairs.data(), factors.data());
-    st.pairs = pairs.data();
-    st.factors = factors.data();
 #else
     centered.resize(static_cast<size_t>(width));
     center_blocks(st.x, nb, block_size, means.data(), centered.data());
@@ -1039,7 +1060,25 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
 #endif
   }
 #endif
-  const int64_t row_items = st.rows == 1 ? 1 : (st.rows + kRowsPerItem - 1) / kRowsPerItem;
+#ifdef TRTLLM_LITE_AVX2
+  if (gemv_rows(st)) {   // each row's int16 pairs (gemv_group_pairs_avx2)
+    means.resize(static_cast<size_t>(st.rows * nb));
+    pairs.resize(static_cast<size_t>(st.rows * nb * packed.width()));
+    factors.resize(static_cast<size_t>(st.rows * 2 * nb));
+    for (int64_t r = 0; r < st.rows; ++r) {
+      const float* xr = st.x + r * st.ldx;
+      int32_t* out = pairs.data() + r * nb * packed.width();
+      if (packed.bits == 8)
+        x_pairs_avx2<8>(xr, nb, block_size, means.data() + r * nb, out, factors.data() + r * 2 * nb);
+      else
+        x_pairs_avx2<4>(xr, nb, block_size, means.data() + r * nb, out, factors.data() + r * 2 * nb);
+    }
+    st.means = means.data();
+    st.pairs = pairs.data();
+    st.factors = factors.data();
+  }
+#endif
+  const int64_t row_items = gemv_rows(st) ? 1 : (st.rows + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t items = row_items * group_items(st);
   // one thread below ~64 KiB of weights at batch 1 (waking the pool costs more than it saves)
   const bool serial = st.rows * packed.groups * packed.nb * packed.block_bytes() < (64 << 10);
