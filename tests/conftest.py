@@ -136,6 +136,19 @@ def build_kernel_library(variant: str, tmp_path_factory) -> str:
         pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
 
 
+def kernel_isa(library) -> str:
+    """Which loops a kernel library from :func:`build_kernel_library` runs: ``"avx512"``,
+    ``"avx2"`` or ``"portable"`` (``"function-body"`` for ``None``: no library)."""
+    if library is None:
+        return "function-body"
+    name = os.path.basename(os.path.dirname(str(library)))
+    for variant, isa in (("portable_kernels", "portable"), ("avx2_kernels", "avx2"), ("no-vnni_kernels", "avx512")):
+        if name.startswith(variant):
+            return isa
+    cpu = cpu_flags()
+    return "avx512" if "avx512f" in cpu else "avx2" if {"avx2", "fma", "f16c"} <= cpu else "portable"
+
+
 @pytest.fixture(scope="session", params=["native", "avx2", "portable"])
 def kernel_library(request, tmp_path_factory):
     """Path of the kernel library, each build (:func:`build_kernel_library`)."""

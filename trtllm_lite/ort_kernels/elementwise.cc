@@ -107,6 +107,13 @@ struct SiluStep {
   int64_t tokens, width;   // width = I
 };
 
+// y[i] = silu(gate[i]) * up[i] for i in [begin, end), with libm's exp: the vector loops leave
+// it the lanes their exp cannot take (a gate below -87, where e^gate leaves float32's normal
+// range; as clamped, -3e38 came out -4.9 instead of -0: QA).
+inline void silu_scalar(const float* gate, const float* up, float* y, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
 void silu_rows(void* user, size_t item) {
   const SiluStep& st = *static_cast<const SiluStep*>(user);
   const int64_t w = st.width;
@@ -120,6 +127,10 @@ void silu_rows(void* user, size_t item) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (; i + 16 <= w; i += 16) {
       const __m512 g = _mm512_loadu_ps(gate + i);
+      if (_mm512_cmp_ps_mask(g, _mm512_set1_ps(-87.0f), _CMP_LT_OQ)) {   // e^-g past exp16's clamp
+        silu_scalar(gate, up, y, i, i + 16);
+        continue;
+      }
       const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
       _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
     }
@@ -128,12 +139,16 @@ void silu_rows(void* user, size_t item) {
     for (; i + 8 <= w; i += 8) {
       // e = e^-|g|, never past 1: silu(g) = g / (1 + e) for g >= 0, g e / (1 + e) below
       const __m256 g = _mm256_loadu_ps(gate + i);
+      if (_mm256_movemask_ps(_mm256_cmp_ps(g, _mm256_set1_ps(-87.0f), _CMP_LT_OQ))) {   // e^g below exp's clamp
+        silu_scalar(gate, up, y, i, i + 8);
+        continue;
+      }
       const __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign));
       const __m256 numerator = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), g);   // by g's sign bit
       _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(numerator, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
     }
 #endif
-    for (; i < w; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    silu_scalar(gate, up, y, i, w);
   }
 }
 

@@ -188,7 +188,7 @@ struct Step {
   const float* means;  // M = 1 (AVX-512 build): [nb] block means of x, which x then holds
                        // centered per block (gemv_group)
   const uint8_t* planes;   // M = 1 (VNNI): [nb][4][chunks * 8] the byte planes of C + 2^31
-  const float* factors;    // M = 1 (VNNI, AVX2): [nb][2] 2^-s_b as two factors
+  const float* factors;    // M = 1: VNNI [nb][2] 2^-s_b as two factors; AVX2 [rows][nb][3] (x_pairs_avx2)
   const int32_t* pairs;    // M = 1 (AVX2): x's int16 pairs (x_pairs_avx2)
   float* y;            // [M, N]
   int64_t rows, ldx;
@@ -540,10 +540,13 @@ inline void store_group_avx2(float* y, int64_t lanes, __m256 low, __m256 high) {
 // int16 planes, C = 2^15 hi + lo (lo in [0, 2^15)), laid out per chunk as the code pairs of
 // pair_codes_avx2: [nb][chunks][2 planes][pairs] int32, each the two int16 x values of a pair of
 // columns (4-bit: (0, 2), (4, 6), (1, 3), (5, 7) of the chunk's 8; 8-bit: (0, 2), (1, 3) of its
-// 4), columns past the block's end 0. factors [nb][2]: 2^-s_b as two factors; a block with a
-// NaN or infinity gets factor NaN (its outputs NaN, as float32's). Against float32: each c is
-// within 2^-31 of the block's largest |c| (float32 rounds each to 2^-24 of its own), the sums
-// are exact.
+// 4), columns past the block's end 0. factors [nb][3]: 2^-s_b as two factors, then the block's
+// sum of C (the kernel adds offset * sum_k c_k: a block mean is inexact, at x near float32's
+// subnormals by far, and sum_k x_k w_k = sum_k (x_k - m) w_k + m sum_k w_k holds for any m); a
+// block with a NaN or infinity gets factor NaN (its outputs NaN, as float32's), one whose
+// values span past float32's range (x - mean overflows) is not centered (m = 0). Against
+// float32: each c is within 2^-31 of the block's largest |c| (float32 rounds each to 2^-24 of
+// its own), the sums are exact.
 constexpr int kPairColumns4[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
 constexpr int kPairColumns8[2][2] = {{0, 2}, {1, 3}};
 
@@ -558,18 +561,25 @@ void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, float* means, 
     float mean = 0.0f;   // a sum of x / block_size: a sum of x could overflow where the mean does not
 #pragma omp simd reduction(+ : mean)
     for (int64_t i = 0; i < block_size; ++i) mean += xb[i] * inv;
-    means[b] = mean;
     float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
     for (int64_t i = 0; i < block_size; ++i) amax = std::max(amax, std::fabs(xb[i] - mean));
+    if (std::isfinite(mean) && !std::isfinite(amax)) {   // finite x, but x - mean overflows: m = 0
+      mean = amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t i = 0; i < block_size; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    }
+    means[b] = mean;
+    float* factor = factors + 3 * b;
     if (!std::isfinite(mean) || !std::isfinite(amax)) {   // NaN/inf in x (a NaN makes the mean NaN)
-      factors[2 * b] = factors[2 * b + 1] = std::numeric_limits<float>::quiet_NaN();
+      factor[0] = factor[1] = std::numeric_limits<float>::quiet_NaN();
+      factor[2] = 0.0f;
       std::fill(out, out + chunks * 2 * kPairs, 0);
       continue;
     }
     const int shift = 30 - exponent_of(amax), half = shift / 2;
-    factors[2 * b] = power_of_two(-half);
-    factors[2 * b + 1] = power_of_two(half - shift);
+    factor[0] = power_of_two(-half);
+    factor[1] = power_of_two(half - shift);
     const float up1 = power_of_two(half), up2 = power_of_two(shift - half);
     thread_local std::vector<int32_t> c;   // the block's C, 0 past its end
     c.assign(static_cast<size_t>(chunks * kColumns), 0);
@@ -577,6 +587,10 @@ void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, float* means, 
 #pragma omp simd
     for (int64_t k = 0; k < block_size; ++k)   // |C| < 2^30; to nearest, ties to even (vcvtps2dq)
       cb[k] = static_cast<int32_t>(std::nearbyint((xb[k] - mean) * up1 * up2));
+    int64_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t k = 0; k < block_size; ++k) sum += cb[k];
+    factor[2] = static_cast<float>(sum);
     for (int64_t j = 0; j < chunks; ++j)
       for (int p = 0; p < kPairs; ++p) {
         const int* cols = BITS == 4 ? kPairColumns4[p] : kPairColumns8[p];
@@ -649,10 +663,12 @@ void gemv_group_pairs_avx2(const Step& st, int64_t group) {
       load_scale_offset_avx2<HALF>(p + code_bytes, h, &scale, &offset);
       const __m256 weight_sum = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(q), _mm256_mul_ps(block_size, offset));
       for (int r = 0; r < ROWS; ++r) {
-        const float* factors = st.factors + r * 2 * w.nb + 2 * b;
+        const float* factors = st.factors + r * 3 * w.nb + 3 * b;
+        const __m256 f0 = _mm256_set1_ps(factors[0]), f1 = _mm256_set1_ps(factors[1]);
         const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a_hi[r]), _mm256_set1_ps(32768.0f), _mm256_cvtepi32_ps(a_lo[r]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(factors[0])),
-                                    _mm256_mul_ps(scale, _mm256_set1_ps(factors[1])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(t, f0), _mm256_mul_ps(scale, f1), acc[r][h]);
+        // offset * sum_k c_k (x_pairs_avx2: the mean need not be exact)
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(factors[2]), f0), _mm256_mul_ps(offset, f1), acc[r][h]);
         acc_means[r][h] = _mm256_fmadd_ps(weight_sum, _mm256_set1_ps(st.means[r * w.nb + b]), acc_means[r][h]);
       }
     }
@@ -1064,14 +1080,14 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   if (gemv_rows(st)) {   // each row's int16 pairs (gemv_group_pairs_avx2)
     means.resize(static_cast<size_t>(st.rows * nb));
     pairs.resize(static_cast<size_t>(st.rows * nb * packed.width()));
-    factors.resize(static_cast<size_t>(st.rows * 2 * nb));
+    factors.resize(static_cast<size_t>(st.rows * 3 * nb));
     for (int64_t r = 0; r < st.rows; ++r) {
       const float* xr = st.x + r * st.ldx;
       int32_t* out = pairs.data() + r * nb * packed.width();
       if (packed.bits == 8)
-        x_pairs_avx2<8>(xr, nb, block_size, means.data() + r * nb, out, factors.data() + r * 2 * nb);
+        x_pairs_avx2<8>(xr, nb, block_size, means.data() + r * nb, out, factors.data() + r * 3 * nb);
       else
-        x_pairs_avx2<4>(xr, nb, block_size, means.data() + r * nb, out, factors.data() + r * 2 * nb);
+        x_pairs_avx2<4>(xr, nb, block_size, means.data() + r * nb, out, factors.data() + r * 3 * nb);
     }
     st.means = means.data();
     st.pairs = pairs.data();
