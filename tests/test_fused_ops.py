@@ -123,16 +123,20 @@ def test_silu_and_mul_matches_reference(op_library, tokens, width):
 
 
 def test_silu_and_mul_at_extreme_gates(op_library):
-    """Gates far below exp's range in the vector lanes and the scalar tail (width 9): silu(-3e38)
-    is -0, not the -4.9 of a clamped exp (QA), -inf gives NaN as float32's formula does, and
-    every other lane of a vector holding one such gate stays right."""
-    gates = np.array([-3e38, -1e36, -1e20, -1e4, -100.0, -88.0, -87.5, 1.0, 2.0, -3e38, 5.0, np.inf,
-                      -np.inf, 0.5, -0.0, 30.0, -3.0, 7.0], np.float32)
+    """Gates far below exp's range in the vector lanes (16 and 8 wide) and the scalar tail
+    (width 25): silu(-3e38) is -0, not the -4.9 of a clamped exp (QA), -inf gives NaN as
+    float32's formula does, and every other lane of a vector holding one such gate stays right."""
+    extremes = [-3e38, -1e36, -1e20, -1e4, -100.0, -88.0, -87.5, -np.inf, np.inf, -0.0]
+    rng = np.random.default_rng(5)
+    gates = (rng.standard_normal((3, 25)) * 4).astype(np.float32)
+    gates[0, :len(extremes)] = extremes                 # the first vector of each width
+    gates[1, 14:14 + len(extremes)] = extremes          # across vector boundaries
+    gates[2, 24] = -3e38                                # the scalar tail
     ups = np.ones_like(gates)
-    ups[2] = 1e20
-    x = np.stack([np.concatenate([gates[:9], ups[:9]]), np.concatenate([gates[9:], ups[9:]])])
+    ups[0, 2] = 1e20
+    x = np.concatenate([gates, ups], axis=1)
     (got,) = silu_session(op_library).run(None, {"gate_up": x})
-    g, up = x[:, :9].astype(np.float64), x[:, 9:].astype(np.float64)
+    g, up = gates.astype(np.float64), ups.astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         want = g / (1 + np.exp(-g)) * up
     rtol = 2e-6 if op_library is not None else 1e-3
