@@ -186,10 +186,10 @@ struct Step {
   const Packed* w;
   const float* x;      // [M, ldx >= nb * block_size]: x, zero-padded to whole blocks if needed
   const float* means;  // M = 1 (AVX-512 build): [nb] block means of x, which x then holds
-                       // centered per block (gemv_group)
+                       // centered per block (gemv_group); AVX2, M <= 4: [rows][nb] (x_pairs_avx2)
   const uint8_t* planes;   // M = 1 (VNNI): [nb][4][chunks * 8] the byte planes of C + 2^31
-  const float* factors;    // M = 1: VNNI [nb][2] 2^-s_b as two factors; AVX2 [rows][nb][3] (x_pairs_avx2)
-  const int32_t* pairs;    // M = 1 (AVX2): x's int16 pairs (x_pairs_avx2)
+  const float* factors;    // VNNI, M = 1: [nb][2] 2^-s_b as two factors; AVX2, M <= 4: [rows][nb][3] (x_pairs_avx2)
+  const int32_t* pairs;    // AVX2, M <= 4: [rows][nb * width] x's int16 pairs (x_pairs_avx2)
   float* y;            // [M, N]
   int64_t rows, ldx;
 };
@@ -197,22 +197,6 @@ struct Step {
 // Columns 8j + i of a chunk, i = 0..7: the shift that brings column i's code to the low 4 bits
 // of each row's 32-bit lane (vpermps reads only those).
 [[maybe_unused]] constexpr int kColumnShift[8] = {0, 8, 16, 24, 4, 12, 20, 28};
-
-// x (one row) centered per block: means[b] = mean of block b, centered = x - means[b] (the
-// block's own mean; [nb * block_size] float32).
-[[maybe_unused]] inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float* means,
-                                           float* centered) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + b * block_size;
-    const float inv = 1.0f / static_cast<float>(block_size);
-    float mean = 0.0f;   // a sum of x / block_size: a sum of x could overflow where the mean does not
-#pragma omp simd reduction(+ : mean)
-    for (int64_t i = 0; i < block_size; ++i) mean += xb[i] * inv;
-    means[b] = mean;
-#pragma omp simd
-    for (int64_t i = 0; i < block_size; ++i) centered[b * block_size + i] = xb[i] - mean;
-  }
-}
 
 #if defined(TRTLLM_LITE_VNNI) || defined(TRTLLM_LITE_AVX2)
 // 2^e for e in [-126, 127] (a normal float: its exponent bits), without a libm call.
@@ -266,6 +250,21 @@ inline void load_scale_offset(const uint8_t* p, __m512* scale, __m512* offset) {
 inline __mmask16 lanes_mask(const Packed& w, int64_t group) {
   const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
   return static_cast<__mmask16>((1u << lanes) - 1);
+}
+
+// x (one row) centered per block: means[b] = mean of block b, centered = x - means[b] (the
+// block's own mean; [nb * block_size] float32).
+inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float* means, float* centered) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * block_size;
+    const float inv = 1.0f / static_cast<float>(block_size);
+    float mean = 0.0f;   // a sum of x / block_size: a sum of x could overflow where the mean does not
+#pragma omp simd reduction(+ : mean)
+    for (int64_t i = 0; i < block_size; ++i) mean += xb[i] * inv;
+    means[b] = mean;
+#pragma omp simd
+    for (int64_t i = 0; i < block_size; ++i) centered[b * block_size + i] = xb[i] - mean;
+  }
 }
 
 #ifdef TRTLLM_LITE_VNNI
