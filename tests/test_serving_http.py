@@ -193,6 +193,16 @@ def test_bad_json_is_400(server):
     assert "not valid JSON" in r.json()["error"]["message"]
 
 
+def test_form_body_is_400_naming_the_content_type(server):
+    """`curl -d '{...}'` sends the JSON as a form: a 400 that says the body must be sent as
+    application/json (pydantic's "valid dictionary" message did not say why; QA)."""
+    r = httpx.post(f"http://{server.http}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}',
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "application/json" in r.json()["error"]["message"]
+    assert "application/x-www-form-urlencoded" in r.json()["error"]["message"]
+
+
 def test_body_over_max_message_bytes_is_413_with_or_without_a_length(server):
     """A body over the server's message limit (gRPC's --max-message-bytes, 16 MiB by default)
     is refused before it is parsed, whether it declares its length or comes chunked; the server

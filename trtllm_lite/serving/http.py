@@ -184,6 +184,10 @@ class OpenAIServer:
             loc = [x for x in err.get("loc", ()) if x != "body"]
             at = f" at character {loc[0]}" if loc else ""
             return JSONResponse(oa.error_body(400, f"the body is not valid JSON{at}: {msg}"), status_code=400)
+        content_type = request.headers.get("content-type", "")
+        if list(err.get("loc", ())) == ["body"] and "json" not in content_type:   # e.g. curl -d: a form body
+            return JSONResponse(oa.error_body(400, f"the body must be a JSON object sent as application/json "
+                                                   f"(Content-Type here: {content_type or 'none'})"), status_code=400)
         # loc is (body, field, [index | nested field | pydantic's union member tag]...): the
         # top-level field is the parameter; a union member tag ("str", "list[str]") is dropped
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
