@@ -19,7 +19,8 @@
 //
 //   per 16-row group, per block: ceil(block_size / 8) chunks of [16 rows][4 bytes], byte i of
 //   row r's 4 bytes in chunk j holding the codes of columns 8j + i (low nibble) and 8j + 4 + i
-//   (high nibble; code 0 past the block's end); then the block's scale and offset for the 16
+//   (high nibble; code 0 past the block's end; the AVX2 build stores q XOR 8, read as the signed
+//   q - 8: kSignedCodes4); then the block's scale and offset for the 16
 //   rows (float16 when every value is exact there, as GGUF's are; float32 otherwise),
 //   offset = offsets - scale * zero_point (zero points folded). The buffers come from shared
 //   slabs on 2 MiB pages (HugePageSlabs: streamed whole every step, 4 KiB pages cost a TLB
@@ -48,7 +49,7 @@
 //     values was ~10x float32's error, found by QA; the fourth plane costs ~7% of SmolLM2 int4's
 //     batch-1 speed.) On a CPU with two 512-bit ports the float loop below is bound by its
 //     permutes at ~15 GB/s a core; this one is not.
-//   M = 1, AVX2 (no AVX-512): the same centering, x as 30-bit integers in two int16 planes, and
+//   M <= 4, AVX2 (no AVX-512): x as 30-bit integers in two int16 planes (not centered), and
 //     vpmaddwd of pairs of codes by pairs of x (gemv_group_pairs_avx2): exact integer sums.
 //   M = 1 without VNNI: the same centering, in float32: per block t = sum_k c_k q[:, k]
 //     (c broadcast; a code becomes a float by one permute: vpermps reads the low 4 bits of
@@ -175,18 +176,29 @@ struct Packed {
   const uint8_t* block(int64_t group, int64_t b) const { return data.data() + (group * nb + b) * block_bytes(); }
 };
 
+// The AVX2 build stores a 4-bit code q as q XOR 8, which its batch-1 loops read as the signed
+// q - 8 (a 4-bit field sign-extended: two shifts, as many as the mask and shift of q) against the
+// offset + 8 scale: w = (q - 8) scale + (offset + 8 scale). Centered codes keep the two terms
+// of a block's sum, scale * sum_k x_k (q_k - 8) and (offset + 8 scale) * sum_k x_k, from
+// cancelling where x has a common part (x_pairs_avx2 does not center x).
+#ifdef TRTLLM_LITE_AVX2
+constexpr int kCodeXor4 = 8;
+#else
+constexpr int kCodeXor4 = 0;
+#endif
+
 // Column k's code of row `lane` in a repacked block (layout above).
 inline int code_at(const Packed& w, const uint8_t* block, int64_t lane, int64_t k) {
   if (w.bits == 8) return static_cast<int8_t>(block[k / 4 * kChunkBytes + lane * 4 + k % 4]);
   const uint8_t byte = block[k / 8 * kChunkBytes + lane * 4 + k % 4];
-  return k % 8 < 4 ? byte & 15 : byte >> 4;
+  return (k % 8 < 4 ? byte & 15 : byte >> 4) ^ kCodeXor4;
 }
 
 struct Step {
   const Packed* w;
   const float* x;      // [M, ldx >= nb * block_size]: x, zero-padded to whole blocks if needed
   const float* means;  // M = 1 (AVX-512 build): [nb] block means of x, which x then holds
-                       // centered per block (gemv_group); AVX2, M <= 4: [rows][nb] (x_pairs_avx2)
+                       // centered per block (gemv_group)
   const uint8_t* planes;   // M = 1 (VNNI): [nb][4][chunks * 8] the byte planes of C + 2^31
   const float* factors;    // VNNI, M = 1: [nb][2] 2^-s_b as two factors; AVX2, M <= 4: [rows][nb][3] (x_pairs_avx2)
   const int32_t* pairs;    // AVX2, M <= 4: [rows][nb * width] x's int16 pairs (x_pairs_avx2)
@@ -506,7 +518,8 @@ template <int BITS>
 inline __m256 column_codes_avx2(__m256i half_chunk, int i) {
   if (BITS == 8) return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(half_chunk, 24 - 8 * i), 24));
   const __m256i shifted = kColumnShift[i] ? _mm256_srli_epi32(half_chunk, kColumnShift[i]) : half_chunk;
-  return _mm256_cvtepi32_ps(kColumnShift[i] == 28 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(15)));
+  const __m256i code = kColumnShift[i] == 28 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(15));
+  return _mm256_cvtepi32_ps(_mm256_xor_si256(code, _mm256_set1_epi32(kCodeXor4)));   // q (kCodeXor4)
 }
 
 // Rows [8 half, 8 half + 8) of a block's 16 scales and offsets.
@@ -534,43 +547,36 @@ inline void store_group_avx2(float* y, int64_t lanes, __m256 low, __m256 high) {
   std::memcpy(y, rows, sizeof(float) * static_cast<size_t>(lanes));
 }
 
-// Batch 1 (AVX2), integer form: x centered per block and written as 30-bit integers
-// C = round(c * 2^s_b) (s_b puts the block's largest |c| in [2^29, 2^30)), split into two
-// int16 planes, C = 2^15 hi + lo (lo in [0, 2^15)), laid out per chunk as the code pairs of
-// pair_codes_avx2: [nb][chunks][2 planes][pairs] int32, each the two int16 x values of a pair of
-// columns (4-bit: (0, 2), (4, 6), (1, 3), (5, 7) of the chunk's 8; 8-bit: (0, 2), (1, 3) of its
-// 4), columns past the block's end 0. factors [nb][3]: 2^-s_b as two factors, then the block's
-// sum of C (the kernel adds offset * sum_k c_k: a block mean is inexact, at x near float32's
-// subnormals by far, and sum_k x_k w_k = sum_k (x_k - m) w_k + m sum_k w_k holds for any m); a
-// block with a NaN or infinity gets factor NaN (its outputs NaN, as float32's), one whose
-// values span past float32's range (x - mean overflows) is not centered (m = 0). Against
-// float32: each c is within 2^-31 of the block's largest |c| (float32 rounds each to 2^-24 of
-// its own), the sums are exact.
+// Batch 1 (AVX2), integer form: x per block as 30-bit integers C = round(x * 2^s_b) (s_b puts the
+// block's largest |x| in [2^29, 2^30)), split into two int16 planes, C = 2^15 hi + lo (lo in
+// [0, 2^15)), laid out per chunk as the code pairs of pair_codes_avx2: [nb][chunks][2 planes][pairs]
+// int32, each the two int16 x values of a pair of columns (4-bit: (0, 2), (4, 6), (1, 3), (5, 7) of
+// the chunk's 8; 8-bit: (0, 2), (1, 3) of its 4), columns past the block's end 0. factors [nb][3]:
+// 2^-s_b as two factors, then the block's sum of C (the kernel adds offset * sum_k x_k); a block
+// with a NaN or infinity gets factor NaN (its outputs NaN, as float32's). x is not centered: the
+// sums are exact, so only the two terms' final roundings differ from float32's (a common part of
+// x makes scale * sum_k x_k q_k and offset * sum_k x_k cancel: x = 50 + N(0, 1) measured ~1e-7
+// off, float32's own order); centering cost the codes' sum in every chunk (~20% of the loop).
+// Against float32: each x is within 2^-31 of the block's largest |x| (float32 rounds each to
+// 2^-24 of its own), the sums are exact.
 constexpr int kPairColumns4[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
 constexpr int kPairColumns8[2][2] = {{0, 2}, {1, 3}};
 
 template <int BITS>
-void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, float* means, int32_t* pairs, float* factors) {
+void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, int32_t* pairs, float* factors) {
   constexpr int kColumns = BITS == 4 ? 8 : 4, kPairs = kColumns / 2;
   const int64_t chunks = (block_size + kColumns - 1) / kColumns;
-  const float inv = 1.0f / static_cast<float>(block_size);
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * block_size;
     int32_t* out = pairs + b * chunks * 2 * kPairs;
-    float mean = 0.0f;   // a sum of x / block_size: a sum of x could overflow where the mean does not
-#pragma omp simd reduction(+ : mean)
-    for (int64_t i = 0; i < block_size; ++i) mean += xb[i] * inv;
-    float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t i = 0; i < block_size; ++i) amax = std::max(amax, std::fabs(xb[i] - mean));
-    if (std::isfinite(mean) && !std::isfinite(amax)) {   // finite x, but x - mean overflows: m = 0
-      mean = amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t i = 0; i < block_size; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    float amax = 0.0f, probe = 0.0f;   // probe: NaN where x holds a NaN or an infinity (x * 0)
+#pragma omp simd reduction(max : amax) reduction(+ : probe)
+    for (int64_t i = 0; i < block_size; ++i) {
+      amax = std::max(amax, std::fabs(xb[i]));
+      probe += xb[i] * 0.0f;
     }
-    means[b] = mean;
     float* factor = factors + 3 * b;
-    if (!std::isfinite(mean) || !std::isfinite(amax)) {   // NaN/inf in x (a NaN makes the mean NaN)
+    if (probe != 0.0f || !(amax <= std::numeric_limits<float>::max())) {   // NaN or infinity in x
       factor[0] = factor[1] = std::numeric_limits<float>::quiet_NaN();
       factor[2] = 0.0f;
       std::fill(out, out + chunks * 2 * kPairs, 0);
@@ -585,7 +591,7 @@ void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, float* means, 
     int32_t* cb = c.data();
 #pragma omp simd
     for (int64_t k = 0; k < block_size; ++k)   // |C| < 2^30; to nearest, ties to even (vcvtps2dq)
-      cb[k] = static_cast<int32_t>(std::nearbyint((xb[k] - mean) * up1 * up2));
+      cb[k] = static_cast<int32_t>(std::nearbyint(xb[k] * up1 * up2));
     int64_t sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int64_t k = 0; k < block_size; ++k) sum += cb[k];
@@ -603,8 +609,9 @@ void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, float* means, 
   }
 }
 
-// An 8-row half chunk's codes as int16 pairs per row (32-bit lane), in x_pairs_avx2's pair order:
-// 4-bit: the nibbles at bits 0/16, 4/20, 8/24, 12/28; 8-bit: bytes 0/2, 1/3 sign-extended.
+// An 8-row half chunk's codes as int16 pairs per row (32-bit lane), in x_pairs_avx2's pair order,
+// sign-extended: 4-bit: the nibbles at bits 0/16, 4/20, 8/24, 12/28 (q - 8: kCodeXor4); 8-bit:
+// bytes 0/2, 1/3.
 template <int BITS>
 inline void pair_codes_avx2(__m256i v, __m256i codes[4]) {
   if (BITS == 8) {
@@ -612,44 +619,46 @@ inline void pair_codes_avx2(__m256i v, __m256i codes[4]) {
     codes[1] = _mm256_srai_epi16(v, 8);
     return;
   }
-  const __m256i mask = _mm256_set1_epi32(0x000F000F);
-  codes[0] = _mm256_and_si256(v, mask);
-  codes[1] = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
-  codes[2] = _mm256_and_si256(_mm256_srli_epi32(v, 8), mask);
-  codes[3] = _mm256_and_si256(_mm256_srli_epi32(v, 12), mask);
+  codes[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 12), 12);
+  codes[1] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 12);
+  codes[2] = _mm256_srai_epi16(_mm256_slli_epi16(v, 4), 12);
+  codes[3] = _mm256_srai_epi16(v, 12);
+}
+
+// The offset that goes with pair_codes_avx2's codes: offset + 8 scale for 4-bit (q - 8), else offset.
+template <int BITS>
+inline __m256 pair_offset_avx2(__m256 scale, __m256 offset) {
+  return BITS == 4 ? _mm256_fmadd_ps(_mm256_set1_ps(8.0f), scale, offset) : offset;
 }
 
 // M <= 4 (AVX2): one 16-row group on the int16 pairs of ROWS rows of x (x_pairs_avx2, one
 // [nb * width] stretch per row): per block and 8-row half, vpmaddwd of each pair of codes by
-// each plane's pair of x (products summed in pairs to int32: at most 2 x 2^15 x 128, never
-// past int32 over a block of up to 2^14), then sum_k c_k q_k = (2^15 A_hi + A_lo) / 2^s_b and
-// gemv_group's y +=. No float conversion per weight (the float32 loop's vcvtdq2ps, one per 8
-// weights a cycle on Zen 3), and the codes unpacked once for every row: with up to 4 rows the
-// weights are read once, where the M > 1 panel writes each as a float32 first.
+// each plane's pair of x (products summed in pairs to int32: at most 2 x 2^15 x 15 (4-bit) or
+// 2^7 (8-bit) x the block's pairs, never past int32 over a block of up to 2^14), then
+// sum_k x_k w_k = (scale (2^15 A_hi + A_lo) + offset sum_k C_k) / 2^s_b (the power of two last:
+// the two terms can pass float32's range where their sum does not). No float conversion per
+// weight (the float32 loop's vcvtdq2ps, one per 8 weights a cycle on Zen 3), and the codes
+// unpacked once for every row: with up to 4 rows the weights are read once, where the M > 1
+// panel writes each as a float32 first.
 template <bool HALF, int BITS, int ROWS>
 void gemv_group_pairs_avx2(const Step& st, int64_t group) {
   constexpr int kPairs = BITS == 4 ? 4 : 2;
   const Packed& w = *st.w;
   const int64_t chunks = w.chunks(), block_bytes = w.block_bytes(), code_bytes = w.code_bytes();
   const int64_t row_pairs = w.nb * chunks * 2 * kPairs;   // one row's x_pairs_avx2 output
-  const __m256i ones16 = _mm256_set1_epi16(1);
-  const __m256 block_size = _mm256_set1_ps(static_cast<float>(w.block_size));
-  __m256 acc[ROWS][2], acc_means[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = acc_means[r][0] = acc_means[r][1] = _mm256_setzero_ps();
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const uint8_t* p = w.block(group, 0);
   for (int64_t b = 0; b < w.nb; ++b, p += block_bytes) {
     for (int64_t line = 0; line < block_bytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + line + kPrefetchBytes), _MM_HINT_T1);
     const int32_t* xb = st.pairs + b * chunks * 2 * kPairs;
     for (int h = 0; h < 2; ++h) {
-      __m256i a_lo[ROWS], a_hi[ROWS], q = _mm256_setzero_si256();
-      for (int r = 0; r < ROWS; ++r) a_lo[r] = a_hi[r] = q;
+      __m256i a_lo[ROWS], a_hi[ROWS];
+      for (int r = 0; r < ROWS; ++r) a_lo[r] = a_hi[r] = _mm256_setzero_si256();
       for (int64_t j = 0; j < chunks; ++j) {
         __m256i codes[4];
         pair_codes_avx2<BITS>(load_half_chunk(p + j * kChunkBytes, h), codes);
-        __m256i code_sum = codes[0];
-        for (int c = 1; c < kPairs; ++c) code_sum = _mm256_add_epi16(code_sum, codes[c]);
-        q = _mm256_add_epi32(q, _mm256_madd_epi16(code_sum, ones16));
         for (int r = 0; r < ROWS; ++r) {
           const int32_t* xj = xb + r * row_pairs + j * 2 * kPairs;
           for (int c = 0; c < kPairs; ++c) {
@@ -660,28 +669,75 @@ void gemv_group_pairs_avx2(const Step& st, int64_t group) {
       }
       __m256 scale, offset;
       load_scale_offset_avx2<HALF>(p + code_bytes, h, &scale, &offset);
-      const __m256 weight_sum = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(q), _mm256_mul_ps(block_size, offset));
+      offset = pair_offset_avx2<BITS>(scale, offset);
       for (int r = 0; r < ROWS; ++r) {
         const float* factors = st.factors + r * 3 * w.nb + 3 * b;
         const __m256 f0 = _mm256_set1_ps(factors[0]), f1 = _mm256_set1_ps(factors[1]);
         const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a_hi[r]), _mm256_set1_ps(32768.0f), _mm256_cvtepi32_ps(a_lo[r]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(t, f0), _mm256_mul_ps(scale, f1), acc[r][h]);
-        // offset * sum_k c_k (x_pairs_avx2: the mean need not be exact)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(factors[2]), f0), _mm256_mul_ps(offset, f1), acc[r][h]);
-        acc_means[r][h] = _mm256_fmadd_ps(weight_sum, _mm256_set1_ps(st.means[r * w.nb + b]), acc_means[r][h]);
+        const __m256 u = _mm256_fmadd_ps(scale, t, _mm256_mul_ps(offset, _mm256_set1_ps(factors[2])));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(u, f0), f1, acc[r][h]);
       }
     }
   }
   const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
-  for (int r = 0; r < ROWS; ++r)
-    store_group_avx2(st.y + r * w.n + group * kLanes, lanes, _mm256_add_ps(acc[r][0], acc_means[r][0]),
-                     _mm256_add_ps(acc[r][1], acc_means[r][1]));
+  for (int r = 0; r < ROWS; ++r) store_group_avx2(st.y + r * w.n + group * kLanes, lanes, acc[r][0], acc[r][1]);
+}
+
+// M = 1 (AVX2): gemv_group_pairs_avx2's sums with both 8-row halves of a chunk in one pass, so
+// each pair of x is broadcast once per chunk (not once per half), and every accumulator a named
+// variable (held in a register: gemv_group_pairs_avx2's acc[ROWS][2], indexed by the half, went
+// to the stack every block). Measured on SmolLM2 int4's layer linears (66 MB, 2 threads, Zen 3):
+// 8.0 -> 6.9 ms.
+template <bool HALF, int BITS>
+void gemv_group_pairs1_avx2(const Step& st, int64_t group) {
+  constexpr int kPairs = BITS == 4 ? 4 : 2;
+  const Packed& w = *st.w;
+  const int64_t chunks = w.chunks(), block_bytes = w.block_bytes(), code_bytes = w.code_bytes();
+  const __m256 two15 = _mm256_set1_ps(32768.0f);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  const uint8_t* p = w.block(group, 0);
+  for (int64_t b = 0; b < w.nb; ++b, p += block_bytes) {
+    for (int64_t line = 0; line < block_bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + line + kPrefetchBytes), _MM_HINT_T1);
+    const int32_t* xj = st.pairs + b * chunks * 2 * kPairs;
+    __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+    for (int64_t j = 0; j < chunks; ++j, xj += 2 * kPairs) {
+      __m256i codes0[4], codes1[4];
+      pair_codes_avx2<BITS>(load_half_chunk(p + j * kChunkBytes, 0), codes0);
+      pair_codes_avx2<BITS>(load_half_chunk(p + j * kChunkBytes, 1), codes1);
+      for (int c = 0; c < kPairs; ++c) {
+        const __m256i x_lo = _mm256_set1_epi32(xj[c]), x_hi = _mm256_set1_epi32(xj[kPairs + c]);
+        lo0 = _mm256_add_epi32(lo0, _mm256_madd_epi16(codes0[c], x_lo));
+        hi0 = _mm256_add_epi32(hi0, _mm256_madd_epi16(codes0[c], x_hi));
+        lo1 = _mm256_add_epi32(lo1, _mm256_madd_epi16(codes1[c], x_lo));
+        hi1 = _mm256_add_epi32(hi1, _mm256_madd_epi16(codes1[c], x_hi));
+      }
+    }
+    const float* factors = st.factors + 3 * b;
+    const __m256 f0 = _mm256_set1_ps(factors[0]), f1 = _mm256_set1_ps(factors[1]);
+    const __m256 sum_c = _mm256_set1_ps(factors[2]);
+    __m256 scale0, offset0, scale1, offset1;
+    load_scale_offset_avx2<HALF>(p + code_bytes, 0, &scale0, &offset0);
+    load_scale_offset_avx2<HALF>(p + code_bytes, 1, &scale1, &offset1);
+    offset0 = pair_offset_avx2<BITS>(scale0, offset0);
+    offset1 = pair_offset_avx2<BITS>(scale1, offset1);
+    const __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi0), two15, _mm256_cvtepi32_ps(lo0));
+    const __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi1), two15, _mm256_cvtepi32_ps(lo1));
+    // (scale * sum_k C_k q_k + offset * sum_k C_k) / 2^s_b: the sum before the power of two, so
+    // a block whose two terms pass float32's range apart, cancelling, stays finite
+    const __m256 u0 = _mm256_fmadd_ps(scale0, t0, _mm256_mul_ps(offset0, sum_c));
+    const __m256 u1 = _mm256_fmadd_ps(scale1, t1, _mm256_mul_ps(offset1, sum_c));
+    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(u0, f0), f1, acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(u1, f0), f1, acc1);
+  }
+  const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
+  store_group_avx2(st.y + group * kLanes, lanes, acc0, acc1);
 }
 
 template <bool HALF, int BITS>
 void gemv_rows_pairs_avx2(const Step& st, int64_t group) {
   switch (st.rows) {
-    case 1: return gemv_group_pairs_avx2<HALF, BITS, 1>(st, group);
+    case 1: return gemv_group_pairs1_avx2<HALF, BITS>(st, group);
     case 2: return gemv_group_pairs_avx2<HALF, BITS, 2>(st, group);
     case 3: return gemv_group_pairs_avx2<HALF, BITS, 3>(st, group);
     default: return gemv_group_pairs_avx2<HALF, BITS, 4>(st, group);
@@ -918,7 +974,7 @@ OrtStatus* Kernel::pack(const uint8_t* qweight, const float* scales, const uint8
       uint8_t* p = const_cast<uint8_t*>(w.block(group, b));
       const uint8_t* codes = qweight + (row * w.nb + b) * pairs;   // byte i: columns 2i (low nibble), 2i + 1
       for (int64_t k = 0; k < block_size; ++k) {
-        const int code = k % 2 ? codes[k / 2] >> 4 : codes[k / 2] & 15;
+        const int code = (k % 2 ? codes[k / 2] >> 4 : codes[k / 2] & 15) ^ kCodeXor4;
         p[k / 8 * kChunkBytes + lane * 4 + k % 4] |= static_cast<uint8_t>(k % 8 < 4 ? code : code << 4);
       }
       store_scale_offset(w, p, lane, scale[row * w.nb + b], offset[row * w.nb + b]);
@@ -1077,18 +1133,16 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
 #endif
 #ifdef TRTLLM_LITE_AVX2
   if (gemv_rows(st)) {   // each row's int16 pairs (gemv_group_pairs_avx2)
-    means.resize(static_cast<size_t>(st.rows * nb));
     pairs.resize(static_cast<size_t>(st.rows * nb * packed.width()));
     factors.resize(static_cast<size_t>(st.rows * 3 * nb));
     for (int64_t r = 0; r < st.rows; ++r) {
       const float* xr = st.x + r * st.ldx;
       int32_t* out = pairs.data() + r * nb * packed.width();
       if (packed.bits == 8)
-        x_pairs_avx2<8>(xr, nb, block_size, means.data() + r * nb, out, factors.data() + r * 3 * nb);
+        x_pairs_avx2<8>(xr, nb, block_size, out, factors.data() + r * 3 * nb);
       else
-        x_pairs_avx2<4>(xr, nb, block_size, means.data() + r * nb, out, factors.data() + r * 3 * nb);
+        x_pairs_avx2<4>(xr, nb, block_size, out, factors.data() + r * 3 * nb);
     }
-    st.means = means.data();
     st.pairs = pairs.data();
     st.factors = factors.data();
   }
