@@ -189,6 +189,20 @@ def test_serve_cli_rejects_a_bad_port_and_reports_a_busy_one(smollm2_engine):
     assert taken.returncode == 1 and "error:" in taken.stderr and "Traceback" not in taken.stderr
 
 
+def test_serve_cli_rejects_a_token_budget_below_max_num_seqs(smollm2_engine):
+    """``trtllm-lite serve`` exits 1 with one line naming both limits, not a traceback
+    (it used to start serving with the budget silently below max_num_seqs)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "trtllm_lite.cli", "serve", "--engine", smollm2_engine,
+                           "--no-verify-checksums", "--num-kv-blocks", "16", "--port", "0",
+                           "--max-num-seqs", "8", "--max-num-batched-tokens", "4"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "error: max_num_batched_tokens (4) must be greater than or equal to max_num_seqs (8)" in done.stderr
+
+
 @pytest.mark.parametrize("salt, error", [(3, TypeError), ("", ValueError)])
 def test_bad_cache_salt_names_it(smollm2_llm, salt, error):
     with pytest.raises(error, match="cache_salt"):

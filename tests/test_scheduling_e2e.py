@@ -199,6 +199,24 @@ def test_engine_limits_must_be_integers_in_range(smollm2_engine, name, value):
         LLMEngine(smollm2_engine, num_kv_blocks=8, verify_checksums=False, **{name: value})
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_token_budget_below_max_num_seqs_is_refused(smollm2_engine, chunked):
+    """A step must hold one token of every running sequence: max_num_batched_tokens below
+    max_num_seqs is a ValueError naming both values, as in vLLM (it was accepted silently)."""
+    from trtllm_lite.core.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(7\) must be greater than or equal to "
+                                         r"max_num_seqs \(8\)"):
+        LLMEngine(smollm2_engine, num_kv_blocks=8, verify_checksums=False, enable_chunked_prefill=chunked,
+                  max_num_seqs=8, max_num_batched_tokens=7)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) .* max_num_seqs \(32\)"):
+        LLMEngine(smollm2_engine, num_kv_blocks=8, verify_checksums=False, enable_chunked_prefill=chunked,
+                  max_num_batched_tokens=16)      # max_num_seqs: the build value, 32
+    equal = LLMEngine(smollm2_engine, num_kv_blocks=8, verify_checksums=False, enable_chunked_prefill=chunked,
+                      max_num_seqs=8, max_num_batched_tokens=8)
+    assert (equal.scheduler_config.max_num_seqs, equal.scheduler_config.max_num_batched_tokens) == (8, 8)
+
+
 def test_engine_limits_take_numpy_integers(smollm2_engine):
     """Integers from numpy (a config array) are integers: kept, as Python ints."""
     from trtllm_lite.core.llm_engine import LLMEngine

@@ -96,7 +96,8 @@ class LLMEngine:
 
     Raises:
         EngineError: the engine directory is missing, of another format, or corrupted.
-        ValueError: an option is out of range (the message names it).
+        ValueError: an option is out of range (the message names it), or
+            ``max_num_batched_tokens`` (given or default) is below ``max_num_seqs``.
     """
 
     def __init__(self, engine_dir: str, *, max_num_seqs: int | None = None,
@@ -120,6 +121,10 @@ class LLMEngine:
             limits[name] = int(value) if value is not None else build[name]
         if max_num_batched_tokens is None and enable_chunked_prefill:
             limits["max_num_batched_tokens"] = default_max_num_batched_tokens(build, limits["max_num_seqs"], offline)
+        if limits["max_num_batched_tokens"] < limits["max_num_seqs"]:
+            raise ValueError(f"max_num_batched_tokens ({limits['max_num_batched_tokens']}) must be greater than "
+                             f"or equal to max_num_seqs ({limits['max_num_seqs']}): a step must hold one "
+                             "token of every running sequence")
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.scheduler_config = SchedulerConfig(enable_chunked_prefill=enable_chunked_prefill,
