@@ -186,6 +186,23 @@ def test_chat_max_completion_tokens_error_names_it(server, value):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": -1, "max_completion_tokens": 5}, "max_tokens"),
+    ({"max_tokens": 0, "max_completion_tokens": 5}, "max_tokens"),
+    ({"max_tokens": 2.5, "max_completion_tokens": 5}, "max_tokens"),
+    ({"max_tokens": "5", "max_completion_tokens": 5}, "max_tokens"),
+    ({"max_tokens": 5, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 5, "max_completion_tokens": -3}, "max_completion_tokens"),
+])
+def test_chat_bad_max_tokens_is_400_even_beside_a_good_max_completion_tokens(server, fields, param):
+    """Every field sent is checked, as OpenAI's API does: a bad ``max_tokens`` is a 400 naming
+    it even when ``max_completion_tokens`` (which wins) is good, and the reverse (a negative
+    or zero ``max_tokens`` was silently ignored)."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], **fields}
+    r = httpx.post(f"http://{server.http}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_bad_json_is_400(server):
     r = httpx.post(f"http://{server.http}/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})

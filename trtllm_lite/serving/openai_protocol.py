@@ -140,7 +140,12 @@ class ChatCompletionRequest(_Sampling):
 
     def sampling_values(self, room: int) -> dict[str, Any]:
         """``room``: tokens left in ``max_seq_len`` after the prompt (the default max_tokens,
-        as vLLM does)."""
+        as vLLM does). ``max_completion_tokens`` wins over ``max_tokens``, but each one sent
+        must be an integer >= 1, as OpenAI checks every field it receives.
+
+        Raises:
+            ValueError: a field is unsupported or out of range (the message names it).
+        """
         if self.tools:
             raise ValueError("tools are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -149,9 +154,11 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs=true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
-        if self.max_completion_tokens is not None:   # errors name the field as sent
-            if self.max_completion_tokens < 1:
-                raise ValueError(f"max_completion_tokens must be an integer >= 1, got {self.max_completion_tokens}")
+        for name in ("max_tokens", "max_completion_tokens"):   # errors name the field as sent
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value}")
+        if self.max_completion_tokens is not None:
             if 0 < room < self.max_completion_tokens:
                 raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) exceeds the {room} tokens "
                                  "that max_seq_len leaves after the prompt")
