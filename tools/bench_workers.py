@@ -44,10 +44,12 @@ def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
         engine.scheduler_config.max_num_batched_tokens = default_max_num_batched_tokens(
             engine.engine.build, engine.scheduler_config.max_num_seqs, offline=True)
         out["offline_max_num_batched_tokens"] = engine.scheduler_config.max_num_batched_tokens
-        for name in ("random", "equal"):
-            w = spec[name]
-            out[name] = run_requests(engine, w["prompts"], w["max_tokens"], len(w["prompts"])).to_dict()
-        engine.scheduler_config.max_num_batched_tokens = serving_budget
+        try:
+            for name in ("random", "equal"):
+                w = spec[name]
+                out[name] = run_requests(engine, w["prompts"], w["max_tokens"], len(w["prompts"])).to_dict()
+        finally:   # the serving budget again, even when a workload raised
+            engine.scheduler_config.max_num_batched_tokens = serving_budget
         out["sweep"] = []
         for c in spec["sweep"]["concurrency"]:
             n = max(2 * c, 4)
