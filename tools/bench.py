@@ -37,6 +37,7 @@ ROOT = os.path.dirname(TOOLS)
 sys.path.insert(0, TOOLS)
 
 import bench_bounds  # noqa: E402
+import bench_core  # noqa: E402
 import bench_report  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -61,12 +62,9 @@ def measure_bounds(threads: int) -> dict[str, float]:
 
 
 def ensure_engine(path: str, **options) -> str:
-    """Build SmolLM2 into ``path`` (with ``options``) unless an engine is there."""
-    if not os.path.exists(os.path.join(path, "engine.json")):
-        from builder.build import BuildConfig, build_engine
-
-        build_engine(MODEL, path, BuildConfig(**BUILD, **options))
-    return path
+    """Build SmolLM2 into ``path`` with the suite's limits (:data:`BUILD`) and ``options``
+    (other ``BuildConfig`` fields) unless an engine is there (:func:`bench_core.ensure_engine`)."""
+    return bench_core.ensure_engine(path, MODEL, **BUILD, **options)
 
 
 def ensure_hf_dir(gguf: str, out: str) -> str:
