@@ -85,6 +85,20 @@ def test_request_that_never_fits_is_refused_at_admission():
         sched.add(create_requests([90], max_tokens=20)[0])
 
 
+def test_check_room_is_admission_check_naming_the_field_sent():
+    """One check serves admission and the HTTP chat route's ``max_completion_tokens``: the
+    room after the prompt is the smaller of max_seq_len and the pool (16 tokens here)."""
+    sched = create_scheduler(num_blocks=4, block_size=4, max_seq_len=20)
+    sched.check_room(10, 6)                                             # 16 tokens: 4 blocks
+    with pytest.raises(ValueError, match=r"^max_completion_tokens \+ prompt = 17 tokens .* whole pool"):
+        sched.check_room(10, 7, "max_completion_tokens")
+    with pytest.raises(ValueError, match=r"^max_completion_tokens \(11\) \+ prompt \(10 tokens\) = 21 "
+                                         r"exceeds max_seq_len 20"):
+        sched.check_room(10, 11, "max_completion_tokens")
+    with pytest.raises(ValueError, match=r"^max_tokens \+ prompt = 17 tokens"):
+        sched.add(create_requests([10], max_tokens=7)[0])              # admission: the same check
+
+
 def test_finish_is_idempotent_and_frees_waiting_or_running():
     sched = create_scheduler()
     a, b = create_requests([5, 5])

@@ -374,6 +374,10 @@ def test_pool_smaller_than_max_seq_len_limits_max_model_len(smollm2_engine):
             assert c.models.list().data[0].model_extra["max_model_len"] == 128
             r = c.chat.completions.create(model="smollm2", messages=MESSAGES, temperature=0)
             assert r.choices[0].message.content and r.usage.prompt_tokens + r.usage.completion_tokens <= 128
+        body = {"model": "smollm2", "messages": MESSAGES, "max_completion_tokens": 120}
+        r = httpx.post(f"http://{s.http}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+        assert "whole pool holds (8 x 16 tokens)" in r.json()["error"]["message"]   # the limit that binds
         assert s.stop() == 0
 
 

@@ -61,16 +61,34 @@ class Scheduler:
                 (without chunked prefill) the token budget.
         """
         c = self.config
+        self.check_room(seq.num_prompt_tokens, seq.params.max_tokens)
         total = seq.num_prompt_tokens + seq.params.max_tokens
-        if total > c.max_seq_len:
-            raise ValueError(f"max_tokens ({seq.params.max_tokens}) + prompt ({seq.num_prompt_tokens} "
-                             f"tokens) = {total} exceeds max_seq_len {c.max_seq_len}")
-        if blocks_for(total, self.kv.block_size) > self.kv.pool.num_blocks:
-            raise ValueError(f"max_tokens + prompt = {total} tokens needs more KV blocks than the "
-                             f"whole pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
         if not c.enable_chunked_prefill and total > c.max_num_batched_tokens:
             raise ValueError(f"prompt + max_tokens = {total} exceeds max_num_batched_tokens "
                              f"{c.max_num_batched_tokens} and chunked prefill is off")
+
+    def check_room(self, num_prompt_tokens: int, max_tokens: int, name: str = "max_tokens") -> None:
+        """Refuse ``max_tokens`` output tokens after a prompt of ``num_prompt_tokens`` when the
+        two never fit one sequence: past ``max_seq_len`` or the whole KV pool (the engine's
+        ``max_model_len``).
+
+        Args:
+            num_prompt_tokens: the prompt's length (tokens).
+            max_tokens: output tokens at most.
+            name: the request field ``max_tokens`` came from, first in the message (the HTTP
+                chat route passes ``max_completion_tokens``).
+
+        Raises:
+            ValueError: prompt + ``max_tokens`` exceeds ``max_seq_len`` or the pool.
+        """
+        c = self.config
+        total = num_prompt_tokens + max_tokens
+        if total > c.max_seq_len:
+            raise ValueError(f"{name} ({max_tokens}) + prompt ({num_prompt_tokens} "
+                             f"tokens) = {total} exceeds max_seq_len {c.max_seq_len}")
+        if blocks_for(total, self.kv.block_size) > self.kv.pool.num_blocks:
+            raise ValueError(f"{name} + prompt = {total} tokens needs more KV blocks than the "
+                             f"whole pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.config.max_waiting:

@@ -311,8 +311,11 @@ class OpenAIServer:
         try:
             self._check_model(body.model)
             ids = self.service.chat_prompt(body.message_dicts(), body.add_generation_prompt)
-            room = self.service.llm.engine.max_model_len - len(ids)
-            params = self.service.sampling_params(body.sampling_values(room))
+            engine = self.service.llm.engine
+            values = body.sampling_values(engine.max_model_len - len(ids))
+            if body.max_completion_tokens is not None:   # the engine's check, naming the field as sent
+                engine.scheduler.check_room(len(ids), body.max_completion_tokens, "max_completion_tokens")
+            params = self.service.sampling_params(values)
         except Exception as e:  # noqa: BLE001
             return self._rejected(e)
         try:

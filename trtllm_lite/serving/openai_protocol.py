@@ -139,9 +139,10 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict | None = None
 
     def sampling_values(self, room: int) -> dict[str, Any]:
-        """``room``: tokens left in ``max_seq_len`` after the prompt (the default max_tokens,
+        """``room``: tokens left in ``max_model_len`` after the prompt (the default max_tokens,
         as vLLM does). ``max_completion_tokens`` wins over ``max_tokens``, but each one sent
-        must be an integer >= 1, as OpenAI checks every field it receives.
+        must be an integer >= 1, as OpenAI checks every field it receives; whether it fits
+        after the prompt is the engine's check (``Scheduler.check_room``).
 
         Raises:
             ValueError: a field is unsupported or out of range (the message names it).
@@ -158,10 +159,6 @@ class ChatCompletionRequest(_Sampling):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value}")
-        if self.max_completion_tokens is not None:
-            if 0 < room < self.max_completion_tokens:
-                raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) exceeds the {room} tokens "
-                                 "that max_seq_len leaves after the prompt")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return dict(self.common_values(), max_tokens=max_tokens if max_tokens is not None else max(room, 1),
                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
