@@ -63,6 +63,9 @@ class BuildConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:   # the runtime's (and vLLM's) check, at build time
+            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"--max-num-seqs ({self.max_num_seqs}): a decode step holds one token per sequence")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization {self.quantization!r}: choose from {QUANTIZATIONS}")
         if self.quant_block_size < 16 or self.quant_block_size & (self.quant_block_size - 1):

@@ -312,7 +312,8 @@ def test_split8_node_reads_x_once_as_an_8bit_weight(kernel_library):
 def test_build_options_are_validated():
     for bad, name in ((dict(quantization="int3"), "--quantization"),
                       (dict(quantization="int4", quant_block_size=24), "--quant-block-size"),
-                      (dict(quantization="int4", accuracy_level=7), "--accuracy-level")):
+                      (dict(quantization="int4", accuracy_level=7), "--accuracy-level"),
+                      (dict(max_num_seqs=64, max_num_batched_tokens=32), r"--max-num-batched-tokens \(32\) must be >= --max-num-seqs \(64\)")):
         with pytest.raises(ValueError, match=name):
             BuildConfig(**bad).validate(4096)
 
