@@ -231,6 +231,21 @@ def test_quantized_linear_batch1_block_sum_past_float32_range(op_library):
     assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-5
 
 
+@pytest.mark.parametrize("x_scale", [1.0, 1e-20])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_quantized_linear_batch1_huge_weights_stay_finite(op_library, rows, x_scale):
+    """Weights of ~1e30 (outputs ~1e31 at x ~ 1, far inside float32's range): finite and within
+    float32's error. The AVX2 batch-1 loops combined a block's two terms at x's integer scale
+    (C = x * 2^s, s ~ 28 at x ~ 1) before applying 2^-s, so weights past ~1e29 gave inf and NaN
+    whatever x's size (QA)."""
+    q = quantize_weight(random_weight(37, k=256) * np.float32(1e30), 4, 32, False)
+    x = (np.random.default_rng(4).standard_normal((rows, q.k)) * x_scale).astype(np.float32)
+    expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    got, _ = run_linear(q, x, library=op_library)
+    assert np.isfinite(got).all()
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 5e-6
+
+
 def test_quantized_linear_batch1_propagates_nan_and_inf(op_library):
     """A NaN or an infinity in x makes every output non-finite, as float32 arithmetic does (the
     kernel centers x per block, so an infinity becomes NaN)."""

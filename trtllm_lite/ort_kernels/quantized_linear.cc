@@ -552,7 +552,8 @@ inline void store_group_avx2(float* y, int64_t lanes, __m256 low, __m256 high) {
 // [0, 2^15)), laid out per chunk as the code pairs of pair_codes_avx2: [nb][chunks][2 planes][pairs]
 // int32, each the two int16 x values of a pair of columns (4-bit: (0, 2), (4, 6), (1, 3), (5, 7) of
 // the chunk's 8; 8-bit: (0, 2), (1, 3) of its 4), columns past the block's end 0. factors [nb][3]:
-// 2^-s_b as two factors, then the block's sum of C (the kernel adds offset * sum_k x_k); a block
+// 2^-s_b as two factors (the one applied before the block's two terms are combined, the one after),
+// then the block's sum of C times the first (the kernel adds offset * sum_k x_k); a block
 // with a NaN or infinity gets factor NaN (its outputs NaN, as float32's). x is not centered: the
 // sums are exact, so only the two terms' final roundings differ from float32's (a common part of
 // x makes scale * sum_k x_k q_k and offset * sum_k x_k cancel: x = 50 + N(0, 1) measured ~1e-7
@@ -583,8 +584,14 @@ void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, int32_t* pairs
       continue;
     }
     const int shift = 30 - exponent_of(amax), half = shift / 2;
-    factor[0] = power_of_two(-half);
-    factor[1] = power_of_two(half - shift);
+    // 2^-shift as 2^-before, applied to the block's two terms before they are combined, and the
+    // rest after: the terms at their true size where that is a normal float (0 < shift <= 126: a
+    // weight near float32's range would overflow them at 2^shift times that), at 2^shift times
+    // it where x is large (shift <= 0: terms past float32's range that cancel stay finite) and
+    // at 2^(shift - 126) times it where x is tiny (2^-shift would not be one normal float)
+    const int before = std::min(std::max(shift, 0), 126);
+    factor[0] = power_of_two(-before);
+    factor[1] = power_of_two(before - shift);
     const float up1 = power_of_two(half), up2 = power_of_two(shift - half);
     thread_local std::vector<int32_t> c;   // the block's C, 0 past its end
     c.assign(static_cast<size_t>(chunks * kColumns), 0);
@@ -595,7 +602,7 @@ void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, int32_t* pairs
     int64_t sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int64_t k = 0; k < block_size; ++k) sum += cb[k];
-    factor[2] = static_cast<float>(sum);
+    factor[2] = static_cast<float>(sum) * factor[0];   // sum_k C_k 2^-before (exact: a power of two)
     for (int64_t j = 0; j < chunks; ++j)
       for (int p = 0; p < kPairs; ++p) {
         const int* cols = BITS == 4 ? kPairColumns4[p] : kPairColumns8[p];
@@ -635,8 +642,9 @@ inline __m256 pair_offset_avx2(__m256 scale, __m256 offset) {
 // [nb * width] stretch per row): per block and 8-row half, vpmaddwd of each pair of codes by
 // each plane's pair of x (products summed in pairs to int32: at most 2 x 2^15 x 15 (4-bit) or
 // 2^7 (8-bit) x the block's pairs, never past int32 over a block of up to 2^14), then
-// sum_k x_k w_k = (scale (2^15 A_hi + A_lo) + offset sum_k C_k) / 2^s_b (the power of two last:
-// the two terms can pass float32's range where their sum does not). No float conversion per
+// sum_k x_k w_k = (scale (2^15 A_hi + A_lo) + offset sum_k C_k) / 2^s_b (the power of two split
+// around the sum, x_pairs_avx2: the two terms can pass float32's range where their sum does not,
+// and at 2^s_b times their size so can they where the weights are large). No float conversion per
 // weight (the float32 loop's vcvtdq2ps, one per 8 weights a cycle on Zen 3), and the codes
 // unpacked once for every row: with up to 4 rows the weights are read once, where the M > 1
 // panel writes each as a float32 first.
@@ -674,8 +682,8 @@ void gemv_group_pairs_avx2(const Step& st, int64_t group) {
         const float* factors = st.factors + r * 3 * w.nb + 3 * b;
         const __m256 f0 = _mm256_set1_ps(factors[0]), f1 = _mm256_set1_ps(factors[1]);
         const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a_hi[r]), _mm256_set1_ps(32768.0f), _mm256_cvtepi32_ps(a_lo[r]));
-        const __m256 u = _mm256_fmadd_ps(scale, t, _mm256_mul_ps(offset, _mm256_set1_ps(factors[2])));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(u, f0), f1, acc[r][h]);
+        const __m256 u = _mm256_fmadd_ps(scale, _mm256_mul_ps(t, f0), _mm256_mul_ps(offset, _mm256_set1_ps(factors[2])));
+        acc[r][h] = _mm256_fmadd_ps(u, f1, acc[r][h]);
       }
     }
   }
@@ -723,12 +731,13 @@ void gemv_group_pairs1_avx2(const Step& st, int64_t group) {
     offset1 = pair_offset_avx2<BITS>(scale1, offset1);
     const __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi0), two15, _mm256_cvtepi32_ps(lo0));
     const __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi1), two15, _mm256_cvtepi32_ps(lo1));
-    // (scale * sum_k C_k q_k + offset * sum_k C_k) / 2^s_b: the sum before the power of two, so
-    // a block whose two terms pass float32's range apart, cancelling, stays finite
-    const __m256 u0 = _mm256_fmadd_ps(scale0, t0, _mm256_mul_ps(offset0, sum_c));
-    const __m256 u1 = _mm256_fmadd_ps(scale1, t1, _mm256_mul_ps(offset1, sum_c));
-    acc0 = _mm256_fmadd_ps(_mm256_mul_ps(u0, f0), f1, acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_mul_ps(u1, f0), f1, acc1);
+    // (scale * sum_k C_k q_k + offset * sum_k C_k) / 2^s_b, the power of two split around the sum
+    // (x_pairs_avx2): a block whose two terms pass float32's range apart, cancelling, stays
+    // finite, and so does one of weights near float32's range
+    const __m256 u0 = _mm256_fmadd_ps(scale0, _mm256_mul_ps(t0, f0), _mm256_mul_ps(offset0, sum_c));
+    const __m256 u1 = _mm256_fmadd_ps(scale1, _mm256_mul_ps(t1, f0), _mm256_mul_ps(offset1, sum_c));
+    acc0 = _mm256_fmadd_ps(u0, f1, acc0);
+    acc1 = _mm256_fmadd_ps(u1, f1, acc1);
   }
   const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
   store_group_avx2(st.y + group * kLanes, lanes, acc0, acc1);
