@@ -99,6 +99,20 @@ def test_check_room_is_admission_check_naming_the_field_sent():
         sched.add(create_requests([10], max_tokens=7)[0])              # admission: the same check
 
 
+def test_prompt_without_room_for_output_is_named_as_the_cause():
+    """A prompt that alone fills max_seq_len or the pool is refused naming the prompt and the
+    limit, not max_tokens: the HTTP chat route fills max_tokens in when a client sends none, and
+    such a 400 said 'max_tokens + prompt = ...' with param max_tokens (QA)."""
+    sched = create_scheduler(num_blocks=4, block_size=4, max_seq_len=20)   # the pool: 16 tokens
+    sched.check_room(15, 1)
+    with pytest.raises(ValueError, match=r"^prompt \(16 tokens\) leaves no room for output: the whole pool "
+                                         r"holds 16 tokens \(4 x 4 tokens\)"):
+        sched.check_room(16, 1, "max_completion_tokens")
+    with pytest.raises(ValueError, match=r"^prompt \(20 tokens\) leaves no room for output: it reaches "
+                                         r"max_seq_len 20"):
+        sched.add(create_requests([20], max_tokens=1)[0])
+
+
 def test_finish_is_idempotent_and_frees_waiting_or_running():
     sched = create_scheduler()
     a, b = create_requests([5, 5])

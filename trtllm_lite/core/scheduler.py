@@ -79,14 +79,23 @@ class Scheduler:
                 chat route passes ``max_completion_tokens``).
 
         Raises:
-            ValueError: prompt + ``max_tokens`` exceeds ``max_seq_len`` or the pool.
+            ValueError: prompt + ``max_tokens`` exceeds ``max_seq_len`` or the pool; a prompt
+                that leaves no room for one output token is named as the cause (the message
+                starts with ``prompt``), not ``max_tokens``, which a client may not have sent.
         """
         c = self.config
         total = num_prompt_tokens + max_tokens
         if total > c.max_seq_len:
+            if num_prompt_tokens >= c.max_seq_len:
+                raise ValueError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output: "
+                                 f"it reaches max_seq_len {c.max_seq_len}")
             raise ValueError(f"{name} ({max_tokens}) + prompt ({num_prompt_tokens} "
                              f"tokens) = {total} exceeds max_seq_len {c.max_seq_len}")
         if blocks_for(total, self.kv.block_size) > self.kv.pool.num_blocks:
+            pool = self.kv.pool.num_blocks * self.kv.block_size
+            if num_prompt_tokens >= pool:
+                raise ValueError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output: the whole "
+                                 f"pool holds {pool} tokens ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
             raise ValueError(f"{name} + prompt = {total} tokens needs more KV blocks than the "
                              f"whole pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
 
