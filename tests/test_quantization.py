@@ -154,6 +154,30 @@ def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, cas
     assert ("MatMulNBits" in ran) is (op_library is None)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_quantized_linear_batch1_common_part_with_outlier_weights(op_library, rows, request):
+    """x with a large common part (1e3 + N(0, 1)) against 256-wide asymmetric blocks of small
+    positive weights and one -3 outlier each (the block's midpoint, offset + 8 scale, far from
+    its typical weight), power-of-two scales so the folded offsets are exact: within 10x
+    float32's own error (numpy's x @ w^T), which the function body, the portable loops, the
+    M > 4 panel and the centered batch-1 loops all keep (~1e-7). The AVX2 batch-1 loops (M <= 4,
+    x not centered since 8346572) add scale * sum_k x_k (q_k - 8) and (offset + 8 scale) *
+    sum_k x_k, each rounded to float32, and these cancel: 1.5e-5 to 1.7e-5 (QA; not fixed:
+    centering x again, a float64 block sum or per-block weight sums at pack time would)."""
+    if kernel_isa(op_library) == "avx2":   # runs, and must fail until fixed
+        request.applymarker(pytest.mark.xfail(strict=True, reason="known: the AVX2 batch-1 loops do not center x"))
+    r = np.random.default_rng(0)
+    w = np.abs(r.standard_normal((37, 512))).astype(np.float32) * 0.05
+    w[:, np.arange(0, 512, 256) + r.integers(0, 256, 2)] = -3.0
+    q = quantize_weight(w, 4, 256, False)
+    q.scales[:] = 2.0 ** np.round(np.log2(q.scales))        # offset = -scale * zero point: exact
+    x = (1e3 + np.random.default_rng(rows).standard_normal((rows, 512))).astype(np.float32)
+    expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    float32_error = np.abs(x @ q.dequantize().T - expected).max() / np.abs(expected).max()
+    got, _ = run_linear(q, x, library=op_library)
+    assert np.abs(got - expected).max() / np.abs(expected).max() <= max(1e-6, 10 * float32_error)
+
+
 @pytest.mark.parametrize("case", [(4, 128, False), ("split", 8, 128, False)], ids=["int4-asym", "split8"])
 def test_quantized_linear_keeps_float32_accuracy_on_offset_inputs(op_library, case):
     """x with a large common part (mean 50): the batch-1 path centers x per block, so the
