@@ -155,17 +155,15 @@ def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, cas
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_quantized_linear_batch1_common_part_with_outlier_weights(op_library, rows, request):
+def test_quantized_linear_batch1_common_part_with_outlier_weights(op_library, rows):
     """x with a large common part (1e3 + N(0, 1)) against 256-wide asymmetric blocks of small
     positive weights and one -3 outlier each (the block's midpoint, offset + 8 scale, far from
     its typical weight), power-of-two scales so the folded offsets are exact: within 10x
-    float32's own error (numpy's x @ w^T), which the function body, the portable loops, the
-    M > 4 panel and the centered batch-1 loops all keep (~1e-7). The AVX2 batch-1 loops (M <= 4,
-    x not centered since 8346572) add scale * sum_k x_k (q_k - 8) and (offset + 8 scale) *
-    sum_k x_k, each rounded to float32, and these cancel: 1.5e-5 to 1.7e-5 (QA; not fixed:
-    centering x again, a float64 block sum or per-block weight sums at pack time would)."""
-    if kernel_isa(op_library) == "avx2":   # runs, and must fail until fixed
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known: the AVX2 batch-1 loops do not center x"))
+    float32's own error (numpy's x @ w^T), as the function body, the portable loops, the M > 4
+    panel and the centered batch-1 loops are (~1e-7). The AVX2 batch-1 loops (M <= 4) do not
+    center x: their block terms scale * sum_k x_k (q_k - 8) and (offset + 8 scale) * sum_k x_k
+    cancel here, and each rounded to float32 they lost 1.5e-5 to 1.7e-5 (QA); they are combined
+    in float64 now."""
     r = np.random.default_rng(0)
     w = np.abs(r.standard_normal((37, 512))).astype(np.float32) * 0.05
     w[:, np.arange(0, 512, 256) + r.integers(0, 256, 2)] = -3.0

@@ -200,8 +200,9 @@ struct Step {
   const float* means;  // M = 1 (AVX-512 build): [nb] block means of x, which x then holds
                        // centered per block (gemv_group)
   const uint8_t* planes;   // M = 1 (VNNI): [nb][4][chunks * 8] the byte planes of C + 2^31
-  const float* factors;    // VNNI, M = 1: [nb][2] 2^-s_b as two factors; AVX2, M <= 4: [rows][nb][3] (x_pairs_avx2)
+  const float* factors;    // VNNI, M = 1: [nb][2] 2^-s_b as two factors
   const int32_t* pairs;    // AVX2, M <= 4: [rows][nb * width] x's int16 pairs (x_pairs_avx2)
+  const double* block_terms;   // AVX2, M <= 4: [rows][nb][2] 2^-s_b and sum_k C_k (x_pairs_avx2)
   float* y;            // [M, N]
   int64_t rows, ldx;
 };
@@ -551,20 +552,19 @@ inline void store_group_avx2(float* y, int64_t lanes, __m256 low, __m256 high) {
 // block's largest |x| in [2^29, 2^30)), split into two int16 planes, C = 2^15 hi + lo (lo in
 // [0, 2^15)), laid out per chunk as the code pairs of pair_codes_avx2: [nb][chunks][2 planes][pairs]
 // int32, each the two int16 x values of a pair of columns (4-bit: (0, 2), (4, 6), (1, 3), (5, 7) of
-// the chunk's 8; 8-bit: (0, 2), (1, 3) of its 4), columns past the block's end 0. factors [nb][3]:
-// 2^-s_b as two factors (the one applied before the block's two terms are combined, the one after),
-// then the block's sum of C times the first (the kernel adds offset * sum_k x_k); a block
-// with a NaN or infinity gets factor NaN (its outputs NaN, as float32's). x is not centered: the
-// sums are exact, so only the two terms' final roundings differ from float32's (a common part of
-// x makes scale * sum_k x_k q_k and offset * sum_k x_k cancel: x = 50 + N(0, 1) measured ~1e-7
-// off, float32's own order); centering cost the codes' sum in every chunk (~20% of the loop).
+// the chunk's 8; 8-bit: (0, 2), (1, 3) of its 4), columns past the block's end 0. terms [nb][2]
+// (float64): 2^-s_b and the block's sum of C (the kernel adds offset * sum_k x_k); a block with a
+// NaN or infinity gets 2^-s_b NaN (its outputs NaN, as float32's). x is not centered (centering
+// cost the codes' sum in every chunk, ~20% of the loop): the block's two terms,
+// scale * sum_k C_k q_k and offset * sum_k C_k, cancel where x has a common part, so the kernel
+// combines them in float64 (block_sum_pd), where they and their sum are exact but for 2^-53.
 // Against float32: each x is within 2^-31 of the block's largest |x| (float32 rounds each to
-// 2^-24 of its own), the sums are exact.
+// 2^-24 of its own); the sums are exact.
 constexpr int kPairColumns4[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
 constexpr int kPairColumns8[2][2] = {{0, 2}, {1, 3}};
 
 template <int BITS>
-void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, int32_t* pairs, float* factors) {
+void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, int32_t* pairs, double* terms) {
   constexpr int kColumns = BITS == 4 ? 8 : 4, kPairs = kColumns / 2;
   const int64_t chunks = (block_size + kColumns - 1) / kColumns;
   for (int64_t b = 0; b < nb; ++b) {
@@ -576,22 +576,15 @@ void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, int32_t* pairs
       amax = std::max(amax, std::fabs(xb[i]));
       probe += xb[i] * 0.0f;
     }
-    float* factor = factors + 3 * b;
+    double* term = terms + 2 * b;
     if (probe != 0.0f || !(amax <= std::numeric_limits<float>::max())) {   // NaN or infinity in x
-      factor[0] = factor[1] = std::numeric_limits<float>::quiet_NaN();
-      factor[2] = 0.0f;
+      term[0] = std::numeric_limits<double>::quiet_NaN();
+      term[1] = 0.0;
       std::fill(out, out + chunks * 2 * kPairs, 0);
       continue;
     }
     const int shift = 30 - exponent_of(amax), half = shift / 2;
-    // 2^-shift as 2^-before, applied to the block's two terms before they are combined, and the
-    // rest after: the terms at their true size where that is a normal float (0 < shift <= 126: a
-    // weight near float32's range would overflow them at 2^shift times that), at 2^shift times
-    // it where x is large (shift <= 0: terms past float32's range that cancel stay finite) and
-    // at 2^(shift - 126) times it where x is tiny (2^-shift would not be one normal float)
-    const int before = std::min(std::max(shift, 0), 126);
-    factor[0] = power_of_two(-before);
-    factor[1] = power_of_two(before - shift);
+    term[0] = std::ldexp(1.0, -shift);   // 2^-179 .. 2^97: one normal float64
     const float up1 = power_of_two(half), up2 = power_of_two(shift - half);
     thread_local std::vector<int32_t> c;   // the block's C, 0 past its end
     c.assign(static_cast<size_t>(chunks * kColumns), 0);
@@ -602,7 +595,7 @@ void x_pairs_avx2(const float* x, int64_t nb, int64_t block_size, int32_t* pairs
     int64_t sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int64_t k = 0; k < block_size; ++k) sum += cb[k];
-    factor[2] = static_cast<float>(sum) * factor[0];   // sum_k C_k 2^-before (exact: a power of two)
+    term[1] = static_cast<double>(sum);   // exact: |sum| < 2^44
     for (int64_t j = 0; j < chunks; ++j)
       for (int p = 0; p < kPairs; ++p) {
         const int* cols = BITS == 4 ? kPairColumns4[p] : kPairColumns8[p];
@@ -632,19 +625,36 @@ inline void pair_codes_avx2(__m256i v, __m256i codes[4]) {
   codes[3] = _mm256_srai_epi16(v, 12);
 }
 
-// The offset that goes with pair_codes_avx2's codes: offset + 8 scale for 4-bit (q - 8), else offset.
+// acc[0..1] (rows 0-3, 4-7 of an 8-row half) += (scale * (2^15 hi + lo) + offset * sum_c) * power
+// in float64: the block's integer sums converted exactly, its two terms and their sum rounded at
+// 2^-53, so they may cancel (x with a common part) and pass float32's range (huge weights, huge
+// or tiny x) without loss. 4-bit codes are q - 8 (kCodeXor4): their offset is offset + 8 scale.
 template <int BITS>
-inline __m256 pair_offset_avx2(__m256 scale, __m256 offset) {
-  return BITS == 4 ? _mm256_fmadd_ps(_mm256_set1_ps(8.0f), scale, offset) : offset;
+inline void block_sum_pd(__m256i lo, __m256i hi, __m256 scale, __m256 offset, __m256d sum_c, __m256d power,
+                         __m256d acc[2]) {
+  const __m256d two15 = _mm256_set1_pd(32768.0);
+  for (int q = 0; q < 2; ++q) {
+    const __m128i lo4 = q ? _mm256_extracti128_si256(lo, 1) : _mm256_castsi256_si128(lo);
+    const __m128i hi4 = q ? _mm256_extracti128_si256(hi, 1) : _mm256_castsi256_si128(hi);
+    const __m256d s = _mm256_cvtps_pd(q ? _mm256_extractf128_ps(scale, 1) : _mm256_castps256_ps128(scale));
+    __m256d o = _mm256_cvtps_pd(q ? _mm256_extractf128_ps(offset, 1) : _mm256_castps256_ps128(offset));
+    if (BITS == 4) o = _mm256_fmadd_pd(_mm256_set1_pd(8.0), s, o);   // codes q - 8 (kCodeXor4)
+    const __m256d t = _mm256_fmadd_pd(_mm256_cvtepi32_pd(hi4), two15, _mm256_cvtepi32_pd(lo4));
+    acc[q] = _mm256_fmadd_pd(_mm256_fmadd_pd(s, t, _mm256_mul_pd(o, sum_c)), power, acc[q]);
+  }
+}
+
+// Rows [8 half, 8 half + 8) of a group's float64 sums as float32.
+inline __m256 to_float_avx2(const __m256d acc[2]) {
+  return _mm256_set_m128(_mm256_cvtpd_ps(acc[1]), _mm256_cvtpd_ps(acc[0]));
 }
 
 // M <= 4 (AVX2): one 16-row group on the int16 pairs of ROWS rows of x (x_pairs_avx2, one
 // [nb * width] stretch per row): per block and 8-row half, vpmaddwd of each pair of codes by
 // each plane's pair of x (products summed in pairs to int32: at most 2 x 2^15 x 15 (4-bit) or
 // 2^7 (8-bit) x the block's pairs, never past int32 over a block of up to 2^14), then
-// sum_k x_k w_k = (scale (2^15 A_hi + A_lo) + offset sum_k C_k) / 2^s_b (the power of two split
-// around the sum, x_pairs_avx2: the two terms can pass float32's range where their sum does not,
-// and at 2^s_b times their size so can they where the weights are large). No float conversion per
+// sum_k x_k w_k = (scale (2^15 A_hi + A_lo) + offset sum_k C_k) / 2^s_b in float64 (block_sum_pd),
+// summed over blocks in float64 and rounded to float32 once. No float conversion per
 // weight (the float32 loop's vcvtdq2ps, one per 8 weights a cycle on Zen 3), and the codes
 // unpacked once for every row: with up to 4 rows the weights are read once, where the M > 1
 // panel writes each as a float32 first.
@@ -654,8 +664,8 @@ void gemv_group_pairs_avx2(const Step& st, int64_t group) {
   const Packed& w = *st.w;
   const int64_t chunks = w.chunks(), block_bytes = w.block_bytes(), code_bytes = w.code_bytes();
   const int64_t row_pairs = w.nb * chunks * 2 * kPairs;   // one row's x_pairs_avx2 output
-  __m256 acc[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256d acc[ROWS][2][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0][0] = acc[r][0][1] = acc[r][1][0] = acc[r][1][1] = _mm256_setzero_pd();
   const uint8_t* p = w.block(group, 0);
   for (int64_t b = 0; b < w.nb; ++b, p += block_bytes) {
     for (int64_t line = 0; line < block_bytes; line += 64)
@@ -677,18 +687,16 @@ void gemv_group_pairs_avx2(const Step& st, int64_t group) {
       }
       __m256 scale, offset;
       load_scale_offset_avx2<HALF>(p + code_bytes, h, &scale, &offset);
-      offset = pair_offset_avx2<BITS>(scale, offset);
       for (int r = 0; r < ROWS; ++r) {
-        const float* factors = st.factors + r * 3 * w.nb + 3 * b;
-        const __m256 f0 = _mm256_set1_ps(factors[0]), f1 = _mm256_set1_ps(factors[1]);
-        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a_hi[r]), _mm256_set1_ps(32768.0f), _mm256_cvtepi32_ps(a_lo[r]));
-        const __m256 u = _mm256_fmadd_ps(scale, _mm256_mul_ps(t, f0), _mm256_mul_ps(offset, _mm256_set1_ps(factors[2])));
-        acc[r][h] = _mm256_fmadd_ps(u, f1, acc[r][h]);
+        const double* terms = st.block_terms + r * 2 * w.nb + 2 * b;
+        block_sum_pd<BITS>(a_lo[r], a_hi[r], scale, offset, _mm256_set1_pd(terms[1]), _mm256_set1_pd(terms[0]),
+                           acc[r][h]);
       }
     }
   }
   const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
-  for (int r = 0; r < ROWS; ++r) store_group_avx2(st.y + r * w.n + group * kLanes, lanes, acc[r][0], acc[r][1]);
+  for (int r = 0; r < ROWS; ++r)
+    store_group_avx2(st.y + r * w.n + group * kLanes, lanes, to_float_avx2(acc[r][0]), to_float_avx2(acc[r][1]));
 }
 
 // M = 1 (AVX2): gemv_group_pairs_avx2's sums with both 8-row halves of a chunk in one pass, so
@@ -701,8 +709,7 @@ void gemv_group_pairs1_avx2(const Step& st, int64_t group) {
   constexpr int kPairs = BITS == 4 ? 4 : 2;
   const Packed& w = *st.w;
   const int64_t chunks = w.chunks(), block_bytes = w.block_bytes(), code_bytes = w.code_bytes();
-  const __m256 two15 = _mm256_set1_ps(32768.0f);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  __m256d acc0[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()}, acc1[2] = {acc0[0], acc0[1]};
   const uint8_t* p = w.block(group, 0);
   for (int64_t b = 0; b < w.nb; ++b, p += block_bytes) {
     for (int64_t line = 0; line < block_bytes; line += 64)
@@ -721,26 +728,16 @@ void gemv_group_pairs1_avx2(const Step& st, int64_t group) {
         hi1 = _mm256_add_epi32(hi1, _mm256_madd_epi16(codes1[c], x_hi));
       }
     }
-    const float* factors = st.factors + 3 * b;
-    const __m256 f0 = _mm256_set1_ps(factors[0]), f1 = _mm256_set1_ps(factors[1]);
-    const __m256 sum_c = _mm256_set1_ps(factors[2]);
+    const double* terms = st.block_terms + 2 * b;
+    const __m256d power = _mm256_set1_pd(terms[0]), sum_c = _mm256_set1_pd(terms[1]);
     __m256 scale0, offset0, scale1, offset1;
     load_scale_offset_avx2<HALF>(p + code_bytes, 0, &scale0, &offset0);
     load_scale_offset_avx2<HALF>(p + code_bytes, 1, &scale1, &offset1);
-    offset0 = pair_offset_avx2<BITS>(scale0, offset0);
-    offset1 = pair_offset_avx2<BITS>(scale1, offset1);
-    const __m256 t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi0), two15, _mm256_cvtepi32_ps(lo0));
-    const __m256 t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi1), two15, _mm256_cvtepi32_ps(lo1));
-    // (scale * sum_k C_k q_k + offset * sum_k C_k) / 2^s_b, the power of two split around the sum
-    // (x_pairs_avx2): a block whose two terms pass float32's range apart, cancelling, stays
-    // finite, and so does one of weights near float32's range
-    const __m256 u0 = _mm256_fmadd_ps(scale0, _mm256_mul_ps(t0, f0), _mm256_mul_ps(offset0, sum_c));
-    const __m256 u1 = _mm256_fmadd_ps(scale1, _mm256_mul_ps(t1, f0), _mm256_mul_ps(offset1, sum_c));
-    acc0 = _mm256_fmadd_ps(u0, f1, acc0);
-    acc1 = _mm256_fmadd_ps(u1, f1, acc1);
+    block_sum_pd<BITS>(lo0, hi0, scale0, offset0, sum_c, power, acc0);
+    block_sum_pd<BITS>(lo1, hi1, scale1, offset1, sum_c, power, acc1);
   }
   const int64_t lanes = std::min<int64_t>(kLanes, w.n - group * kLanes);
-  store_group_avx2(st.y + group * kLanes, lanes, acc0, acc1);
+  store_group_avx2(st.y + group * kLanes, lanes, to_float_avx2(acc0), to_float_avx2(acc1));
 }
 
 template <bool HALF, int BITS>
@@ -1114,6 +1111,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   thread_local std::vector<float> x_buffer, means, centered, factors;
   thread_local std::vector<uint8_t> planes;
   thread_local std::vector<int32_t> pairs;
+  thread_local std::vector<double> block_terms;
   st.x = x_data;
   st.ldx = x_width;
   if (width != x_width) {
@@ -1143,17 +1141,17 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
 #ifdef TRTLLM_LITE_AVX2
   if (gemv_rows(st)) {   // each row's int16 pairs (gemv_group_pairs_avx2)
     pairs.resize(static_cast<size_t>(st.rows * nb * packed.width()));
-    factors.resize(static_cast<size_t>(st.rows * 3 * nb));
+    block_terms.resize(static_cast<size_t>(st.rows * 2 * nb));
     for (int64_t r = 0; r < st.rows; ++r) {
       const float* xr = st.x + r * st.ldx;
       int32_t* out = pairs.data() + r * nb * packed.width();
       if (packed.bits == 8)
-        x_pairs_avx2<8>(xr, nb, block_size, out, factors.data() + r * 3 * nb);
+        x_pairs_avx2<8>(xr, nb, block_size, out, block_terms.data() + r * 2 * nb);
       else
-        x_pairs_avx2<4>(xr, nb, block_size, out, factors.data() + r * 3 * nb);
+        x_pairs_avx2<4>(xr, nb, block_size, out, block_terms.data() + r * 2 * nb);
     }
     st.pairs = pairs.data();
-    st.factors = factors.data();
+    st.block_terms = block_terms.data();
   }
 #endif
   const int64_t row_items = gemv_rows(st) ? 1 : (st.rows + kRowsPerItem - 1) / kRowsPerItem;
