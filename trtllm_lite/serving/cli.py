@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=port_number, default=50051, help="gRPC port (0: pick a free one)")
+    g.add_argument("--port", type=port_number, default=50051, help="gRPC port (default 50051; 0: pick a free one)")
     g.add_argument("--metrics-port", type=port_number, default=None, help="Prometheus metrics HTTP port (0: pick one)")
     g.add_argument("--http-port", type=port_number, default=None, help="OpenAI-compatible HTTP port (0: pick one)")
     g.add_argument("--served-model-name", default=None, help="model name for clients (default: engine dir name)")
