@@ -49,7 +49,9 @@ class BuildConfig:
     quantize_lm_head: bool | None = None
     accuracy_level: int | None = None
 
-    def validate(self, max_positions: int) -> None:
+    def validate(self, max_positions: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first bad option; ``max_positions`` (the model's
+        ``max_position_embeddings``; ``None`` before the model is loaded) bounds ``max_seq_len``."""
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend {self.backend!r} is not built here; choose from {BACKENDS}")
         if self.dtype not in DTYPES[self.backend]:
@@ -74,7 +76,7 @@ class BuildConfig:
             self.accuracy_level = 0
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"--accuracy-level must be in 0..4, got {self.accuracy_level}")
-        if self.max_seq_len > max_positions:
+        if max_positions is not None and self.max_seq_len > max_positions:
             raise ValueError(f"--max-seq-len {self.max_seq_len} exceeds the model's "
                              f"max_position_embeddings ({max_positions})")
 
@@ -103,6 +105,7 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     ``ValueError`` for bad build options.
     """
     bc = build_config or BuildConfig()
+    bc.validate()   # the options alone, before loading the model (seconds)
     t0 = time.time()
     _log(f"loading {model}")
     loaded = load_model(model)

@@ -346,6 +346,16 @@ def test_split8_node_reads_x_once_as_an_8bit_weight(kernel_library):
         sess.run(None, dict(feed, x=np.concatenate([a, a], axis=1)))
 
 
+def test_build_options_are_checked_before_the_model_is_loaded(tmp_path):
+    """A bad option is reported at once: no model is read (an unknown model path would raise
+    FileNotFoundError) and no output directory is written."""
+    from builder.build import build_engine
+    with pytest.raises(ValueError, match="--max-num-batched-tokens"):
+        build_engine(str(tmp_path / "no-such-model"), str(tmp_path / "engine"),
+                     BuildConfig(max_num_seqs=64, max_num_batched_tokens=8))
+    assert not (tmp_path / "engine").exists()
+
+
 def test_build_options_are_validated():
     for bad, name in ((dict(quantization="int3"), "--quantization"),
                       (dict(quantization="int4", quant_block_size=24), "--quant-block-size"),
