@@ -82,7 +82,7 @@ constexpr int64_t kLanes = 16;      // output rows per group (one float32 vector
 constexpr int64_t kTileRows = 8;    // rows of x per register tile (M > 1)
 constexpr int64_t kRowsPerItem = 64;
 constexpr int64_t kChunkBytes = 64;  // one vector: 16 rows x 8 columns of 4-bit codes
-constexpr int64_t kPrefetchBytes = 8192;   // gemv_group_vnni
+constexpr int64_t kPrefetchBytes = 8192;   // the batch-1 loops (VNNI, AVX2): L2 prefetch distance
 constexpr int kPlanes = 4;   // bytes of x's 32-bit integers (gemv_group_vnni)
 
 // Every node's repacked weights come from shared slabs, 2 MiB-aligned, that ask the kernel for
