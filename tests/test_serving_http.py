@@ -157,6 +157,14 @@ def test_error_statuses(server, oai, body, status, param):
     assert oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
+def test_chat_text_part_without_text_is_400(server):
+    # OpenAI requires `text` on a text part; it was read as "" and answered 200.
+    body = {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    r = httpx.post(f"http://{server.http}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "text" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("route, body, param", [
     ("completions", {"prompt": "Hi \ud800 there"}, "prompt"),                 # JSON's lone surrogate
     ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),

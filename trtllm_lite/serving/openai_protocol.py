@@ -122,7 +122,9 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.type != "text":
                 raise ValueError(f"messages: content of type {part.type!r} is not supported (text only)")
-            parts.append(part.text or "")
+            if part.text is None:
+                raise ValueError("messages: a content part of type 'text' needs a 'text' string")
+            parts.append(part.text)
         return "".join(parts)
 
 
