@@ -14,6 +14,7 @@ from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST, sha256_file
 from .export_onnx import export_graphs
 from .draft import keep_first_layers
 from .loaders import load_model
+from .paged_attention import without_attention_metadata
 from .quantize import QUANTIZATIONS, quantize_model
 from .compile_tensorrt import KV_WRITE, PRECISIONS, ProfileLimits, compile_engine, import_tensorrt
 
@@ -139,6 +140,12 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     for level, files in variants.items():
         for kind, file in files.items():
             onnx.save(_set_accuracy_level(graphs[kind], level), os.path.join(output, file))
+    kernel_graphs = {}
+    if bc.backend == "onnxruntime":   # for sessions with trtllm-lite's kernels (no attention metadata)
+        for kind, graph in graphs.items():
+            kernel_graphs[kind] = f"{kind}.kernels.onnx"
+            onnx.save(without_attention_metadata(graph), os.path.join(output, kernel_graphs[kind]))
+            onnx.checker.check_model(os.path.join(output, kernel_graphs[kind]))
     tensorrt = None
     if bc.backend in KV_WRITE:
         limits = ProfileLimits(bc.max_num_seqs, bc.max_num_batched_tokens, bc.max_seq_len, bc.block_size)
@@ -157,7 +164,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
                           "outputs": [o.name for o in g.graph.output]} for kind, g in graphs.items()},
         "weights": {"file": store.filename, "tensors": weight_table},
         "quantization": {"method": bc.quantization, "weights": {n: q.source for n, q in quantized.items()}},
-        "graph_variants": {"accuracy_level": {str(k): v for k, v in variants.items()}},
+        "graph_variants": {"accuracy_level": {str(k): v for k, v in variants.items()},
+                           "custom_kernels": kernel_graphs},
         "tokenizer": {"files": tokenizer_files},
         "files": {},
         "versions": _versions(),

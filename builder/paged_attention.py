@@ -445,9 +445,9 @@ def make_decode_function(heads: tuple[int, int, int], opset: int | None = None):
     layer's pools, ``block_tables``, ``context_lens`` and the step's decode metadata from
     :func:`write_attention_metadata`), attribute ``scale``, output ``[S, H, D]`` float32.
     The body picks :func:`_write_decode_attention` (contexts padded to the longest) or
-    :func:`_write_ragged_decode_attention` by ``use_padded_decode``. ONNX Runtime runs the
-    runtime's C++ kernel instead where it is registered (``trtllm_lite/ort_kernels``): one
-    pass over each sequence's blocks, no gathered copies, no padding.
+    :func:`_write_ragged_decode_attention` by ``use_padded_decode``. (Where the runtime's C++
+    kernels are registered, ONNX Runtime runs the PagedAttention kernel for the whole op and
+    never reaches this function: ``trtllm_lite/ort_kernels/paged_attention.cc``.)
     """
     from onnx import helper
 
@@ -482,7 +482,8 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
                        decode_path: bool = False):
     """The op as a model-local ONNX function whose body uses standard ops only.
 
-    ONNX Runtime and TensorRT-RTX inline this body. Layout inside (S sequences, Q the
+    ONNX Runtime (where trtllm-lite's C++ kernels are not registered: with them, it runs the
+    PagedAttention kernel instead) and TensorRT-RTX inline this body. Layout inside (S sequences, Q the
     longest query length in the step, Lc the cached positions gathered, G = heads per KV head)::
 
         query [T, H, D] --gather by pad index--> [S, Q, H, D]       (packed -> padded)
@@ -533,8 +534,7 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
         _write_attention(w, q, k, v, kc, vc, metadata, dims, scale, "output")
     else:
         # the kernel, by the step's shape (conditions from the metadata): every sequence
-        # computing one token -> the PagedDecodeAttention op (its own function, or ONNX
-        # Runtime's CPU kernel where the runtime registers it); else one sequence computing
+        # computing one token -> the PagedDecodeAttention op (its own function); else one sequence computing
         # several tokens (S == 1; ONNX Runtime's GroupQueryAttention, whose CPU kernel needs
         # head_dim % 8 == 0), else the general body
         general, decode = NodeWriter("pa_gen_"), NodeWriter("pa_dcall_")
@@ -557,3 +557,44 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
         opsets += [helper.make_opsetid(MS_DOMAIN, 1), helper.make_opsetid(DOMAIN, OP_VERSION)]
     return helper.make_function(DOMAIN, OP_TYPE, inputs, ["output"], w.nodes, opsets,
                                 attributes=["num_heads", "num_kv_heads", "scale"])
+
+
+def without_attention_metadata(model):
+    """A copy of an ONNX Runtime graph (``make_onnx_functions(heads, decode_path=True)``'s
+    form) whose PagedAttention nodes take the op's 9 inputs alone: the step's metadata inputs
+    and every node that only fed them are gone, and the op's function is the self-contained
+    body (:func:`make_onnx_function` with ``heads=None``, which computes its metadata itself).
+
+    For ONNX Runtime with trtllm-lite's kernels registered (``trtllm_lite/ort_kernels``): the
+    C++ PagedAttention kernel reads the block tables directly, so the ~130 metadata nodes
+    (index and mask tensors for the function body) would run every step for nothing
+    (measured on SmolLM2 int4 at batch 1: ~5% of a decode step). Without the kernels this
+    graph still runs, but computes the metadata once per layer instead of once per step.
+
+    Args:
+        model: ``onnx.ModelProto``; left unchanged.
+    Returns:
+        the new ``onnx.ModelProto``.
+    """
+    import onnx
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    for node in graph.node:
+        if node.domain == DOMAIN and node.op_type == OP_TYPE:
+            del node.input[len(INPUT_NAMES):]
+    needed = {o.name for o in graph.output}
+    kept = []
+    for node in reversed(graph.node):   # (nodes are in topological order)
+        if any(name in needed for name in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    kept.reverse()
+    del graph.node[:]
+    graph.node.extend(kept)
+    opset = next(o.version for o in out.opset_import if o.domain == "")
+    functions = [f for f in out.functions if (f.domain, f.name) not in {(DOMAIN, OP_TYPE), (DOMAIN, DECODE_OP_TYPE)}]
+    del out.functions[:]
+    out.functions.extend(functions + [make_onnx_function(opset)])
+    return out

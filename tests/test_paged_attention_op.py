@@ -135,7 +135,7 @@ def test_write_then_attend_equals_attend_over_cache():
 
 DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
     # (num_heads, num_kv_heads, head_dim, block_size, context_lens, query_lens): the C++
-    # kernel's vector widths (head_dim 16, 32, 64, 128) and its portable loop (others)
+    # kernel's decode loops: vector widths (head_dim 16, 32, 64, 128) and the portable loop (others)
     (8, 8, 32, 16, [50, 3], [1, 1]),
     (16, 2, 128, 16, [300, 17, 0], [1, 1, 1]),
     (8, 1, 64, 32, [1000], [1]),
@@ -156,77 +156,86 @@ DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
     (4, 2, 16, 17, [300], [1]),
 ]
 
+PREFILL_CASES = [c for c in CASES if set(c[5]) != {1}] + [
+    # steps where a sequence computes several tokens: query tiles (128 / group tokens), key
+    # chunks of 64 (four 16-key segments; a block of 40 or 17 rows split across them), the
+    # causal part over the step's own tokens, decodes in the same step
+    (9, 3, 64, 16, [0], [300]),                    # a long fresh prompt: several tiles
+    (9, 3, 64, 16, [130], [77]),                   # a prompt chunk after a cached context
+    (16, 2, 128, 16, [50, 0], [40, 1]),            # head_dim 128, GQA 8, a decode beside it
+    (8, 8, 32, 16, [0, 5], [33, 1]),               # MHA: one-row groups
+    (4, 2, 12, 4, [7, 0], [5, 19]),                # head_dim 12: the portable loop
+    (8, 2, 32, 40, [81, 5], [20, 45]),             # 40-row blocks
+    (4, 4, 16, 17, [300, 0], [2, 50]),             # 17-row blocks
+    (9, 3, 64, 16, [0, 300, 40, 1000], [64, 1, 1, 1]),   # one prompt and three decodes
+]
 
-def kernel_session(kernel_library, heads, kv_heads, head_dim, profile=False):
+
+def kernel_session(kernel_library, heads, kv_heads, head_dim, metadata=True, profile=False):
     so = ort.SessionOptions()
     so.register_custom_ops_library(kernel_library)
     so.enable_profiling = profile
     so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "trtllm_lite_test_profile")
-    return single_op_session(heads, kv_heads, head_dim, True, True, so)
+    return single_op_session(heads, kv_heads, head_dim, metadata, metadata, so)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", DECODE_CASES)
-def test_decode_kernel_matches_reference(kernel_library, heads, kv_heads, head_dim, block_size, ctx, qlens):
-    """The C++ PagedDecodeAttention kernel (registered with the session) against the float64
-    reference, and it is what ran: ONNX Runtime's profile lists the node by its op."""
+@pytest.mark.parametrize("metadata", [True, False], ids=["metadata-inputs", "nine-inputs"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", DECODE_CASES + PREFILL_CASES)
+def test_kernel_matches_reference(kernel_library, heads, kv_heads, head_dim, block_size, ctx, qlens, metadata):
+    """The C++ PagedAttention kernel (registered with the session) against the float64
+    reference, with the engines' metadata inputs (which it ignores) or the op's 9 inputs alone
+    (the graphs for sessions with the kernels), and it is what ran: ONNX Runtime's profile
+    lists the node by its op, and no ``If`` (the function body's kernel choice)."""
     step = random_step(np.random.default_rng(3), ctx, qlens, heads, kv_heads, head_dim, block_size)
-    sess = kernel_session(kernel_library, heads, kv_heads, head_dim, profile=True)
+    sess = kernel_session(kernel_library, heads, kv_heads, head_dim, metadata, profile=True)
     (got,) = sess.run(None, step)
     path = sess.end_profiling()
     with open(path) as f:
         ops = {e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node"}
     os.remove(path)
-    assert "PagedDecodeAttention" in ops
+    assert "PagedAttention" in ops and "If" not in ops
     want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
                                      step["value_cache"], step["block_tables"], step["context_lens"],
                                      step["query_start_loc"], head_dim ** -0.5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qlens", [[1, 1], [1, 6]], ids=["decode", "prefill"])
 @pytest.mark.parametrize("field,value,message", [
     ("block_tables", 10_000, "block_tables\\[0, 1\\] = 10000 outside the pool's"),
     ("block_tables", -1, "block_tables\\[0, 1\\] = -1 outside the pool's"),
     ("context_lens", 10_000, "context_lens\\[1\\] = 10000 outside"),
     ("value", None, "key / value shapes"),
+    ("query_start_loc", "short", "query_start_loc runs from 0 to"),
+    ("query_start_loc", "decreasing", "is below query_start_loc"),
 ])
-def test_decode_kernel_rejects_bad_inputs(kernel_library, field, value, message):
-    """A block table entry outside the pool, a context longer than the table or mismatched
-    shapes: an INVALID_ARGUMENT error naming the input, before the kernel reads anything,
-    and the session goes on. (One PagedDecodeAttention node fed directly: in the engines'
-    graphs the metadata nodes in front of it already fail on such block tables.)"""
-    from builder.paged_attention import DECODE_INPUT_NAMES, DECODE_OP_TYPE
-
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    types = [f32] * 5 + [i64] * 3 + [f32, i64, i64, i64, i64, f32, f32, TensorProto.BOOL]
-    node = helper.make_node(DECODE_OP_TYPE, list(DECODE_INPUT_NAMES), ["output"], domain=DOMAIN, scale=0.125)
-    graph = helper.make_graph([node], "decode", [helper.make_tensor_value_info(n, t, None)
-                                                 for n, t in zip(DECODE_INPUT_NAMES, types)],
-                              [helper.make_tensor_value_info("output", f32, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)])
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(kernel_library)
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+def test_kernel_rejects_bad_inputs(kernel_library, field, value, message, qlens):
+    """A block table entry outside the pool, a context longer than the table, mismatched
+    shapes or query offsets that do not cover the step's tokens in order: an INVALID_ARGUMENT
+    error naming the input, before the kernel reads anything, and the session goes on."""
+    sess = kernel_session(kernel_library, 9, 3, 64, metadata=False)
 
     def feed():
-        step = random_step(np.random.default_rng(4), [40, 7], [1, 1], 9, 3, 64, 16)
-        unused = {n: np.zeros(1, np.dtype(helper.tensor_dtype_to_np_dtype(t)))
-                  for n, t in zip(DECODE_INPUT_NAMES[7:], types[7:])}
-        return {n: step[n] for n in DECODE_INPUT_NAMES[:7]} | unused
+        return random_step(np.random.default_rng(4), [40, 7], qlens, 9, 3, 64, 16)
 
     bad = feed()
     if field == "block_tables":
         bad["block_tables"][0, 1] = value
     elif field == "context_lens":
         bad["context_lens"][1] = value
+    elif field == "value":
+        bad["value"] = bad["value"][:-1]
+    elif value == "short":
+        bad["query_start_loc"][-1] -= 1
     else:
-        bad["value"] = bad["value"][:, :, :32]
+        bad["query_start_loc"][1] = bad["query_start_loc"][2] + 1
     with pytest.raises(Exception, match=message):
         sess.run(None, bad)
     good = feed()
     (got,) = sess.run(None, good)
     want = reference_paged_attention(good["query"], good["key"], good["value"], good["key_cache"],
                                      good["value_cache"], good["block_tables"], good["context_lens"],
-                                     np.arange(3), 0.125)
+                                     good["query_start_loc"], 64 ** -0.5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

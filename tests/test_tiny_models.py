@@ -16,18 +16,44 @@ def hf_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("prepacking,custom_kernels", [(True, True), (False, True), (True, False)],
-                         ids=["one-session", "decode-graph", "function-bodies"])
+def kernel_graphs_engine(engine_dir: str, tmp_path) -> str:
+    """A copy of the engine whose manifest names its kernels' graphs (``*.kernels.onnx``, the
+    PagedAttention nodes without metadata inputs) as its graphs, so that sessions without the
+    kernels run them too (their self-contained attention body)."""
+    import json
+    import shutil
+
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir, copy)
+    manifest = json.loads((copy / "engine.json").read_text())
+    for kind, file in manifest["graph_variants"]["custom_kernels"].items():
+        manifest["graphs"][kind]["file"] = file
+    (copy / "engine.json").write_text(json.dumps(manifest))
+    return str(copy)
+
+
+@pytest.mark.parametrize("prepacking,custom_kernels,kernel_graphs",
+                         [(True, True, True), (False, True, True), (True, False, False), (True, False, True)],
+                         ids=["one-session", "decode-graph", "function-bodies", "kernel-graphs-function-bodies"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefill_and_decode_logits_match_hf(tiny_model, kind, prepacking, custom_kernels):
+def test_prefill_and_decode_logits_match_hf(tiny_model, kind, prepacking, custom_kernels, kernel_graphs, tmp_path):
     """Both runner modes: one prepacked session (decode steps through the prefill graph)
-    and two sessions sharing one weight copy (decode steps through the decode graph); and
-    the decode steps' attention by trtllm-lite's C++ kernel (where it builds) or by the
-    op's ONNX function body."""
+    and two sessions sharing one weight copy (decode steps through the decode graph); the
+    attention by trtllm-lite's C++ kernel (where it builds: then through the graphs without
+    attention metadata) or by the op's ONNX function body, in the engine's graphs or in the
+    kernels' graphs (which compute the metadata in each layer's body)."""
+    from trtllm_lite.ort_kernels import library_path
+
     hf, engine_dir = tiny_model(kind)
-    runner = OnnxRuntimeRunner(load_engine_dir(engine_dir, verify_checksums=False), 64,
+    if kernel_graphs and not custom_kernels:
+        engine_dir = kernel_graphs_engine(engine_dir, tmp_path)
+    engine = load_engine_dir(engine_dir, verify_checksums=False)
+    runner = OnnxRuntimeRunner(engine, 64,
                                options=OrtOptions(enable_prepacking=prepacking, custom_kernels=custom_kernels))
     assert ("decode" in runner.sessions) is not prepacking
+    with_kernels = custom_kernels and library_path() is not None
+    assert all(f.endswith(".kernels.onnx") is (kernel_graphs and (with_kernels or not custom_kernels))
+               for f in runner.graph_files.values())
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 7, 13)]
     tables = [[0, 1, 2, 3, 4, 5], [10, 9, 8, 7, 6, 11], [20, 31, 22, 23, 40, 41]]
@@ -104,13 +130,15 @@ def test_group_by_query_length_partitions_and_bounds_padding():
 def test_arena_shrinks_only_after_calls_with_large_attention_scores(tiny_model):
     """OrtOptions.arena_shrinkage: a decode or short prompt keeps the arena's chunks for the
     next step; a call whose padded scores may pass ARENA_SHRINK_SCORE_BYTES gives them back;
-    with the option off, no call does."""
+    with the option off, no call does; nor with trtllm-lite's kernels, whose attention
+    allocates no scores (the function bodies run here)."""
+    from trtllm_lite.ort_kernels import library_path
     from trtllm_lite.runners.base import build_step_inputs
     from trtllm_lite.runners.onnxruntime_runner import ARENA_SHRINK_SCORE_BYTES
 
     _, engine_dir = tiny_model("llama-gqa")
     engine = load_engine_dir(engine_dir, verify_checksums=False)
-    runner = OnnxRuntimeRunner(engine, 64, options=OrtOptions(arena_shrinkage=True))
+    runner = OnnxRuntimeRunner(engine, 64, options=OrtOptions(arena_shrinkage=True, custom_kernels=False))
     bs, heads = runner.block_size, runner.num_heads
 
     def inputs(prompt_len, num_seqs=1):
@@ -124,5 +152,8 @@ def test_arena_shrinks_only_after_calls_with_large_attention_scores(tiny_model):
     assert runner._run_options_for(small) is runner._run_options
     assert runner._run_options_for(inputs(big_len - bs)) is runner._run_options
     assert runner._run_options_for(inputs(big_len)) is runner._shrink_options
-    off = OnnxRuntimeRunner(engine, 64, options=OrtOptions(arena_shrinkage=False))
+    off = OnnxRuntimeRunner(engine, 64, options=OrtOptions(arena_shrinkage=False, custom_kernels=False))
     assert off._run_options_for(inputs(big_len)) is off._run_options
+    if library_path() is not None:
+        kernels = OnnxRuntimeRunner(engine, 64, options=OrtOptions(arena_shrinkage=True))
+        assert kernels._run_options_for(inputs(big_len)) is kernels._run_options

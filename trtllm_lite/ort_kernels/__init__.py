@@ -2,8 +2,8 @@
 
 ONNX Runtime custom operators in the ``trtllm_lite`` domain (``register.cc`` adds them):
 
-* ``PagedDecodeAttention`` (``paged_decode_attention.cc``): the PagedAttention op's decode step
-  (``builder/paged_attention.py``), read straight from the paged KV pool;
+* ``PagedAttention`` (``paged_attention.cc``): the attention op (``builder/paged_attention.py``),
+  read straight from the paged KV pool, for every step's shape (decodes, prompts, mixed);
 * ``RotarySplitQKV`` and ``SiluAndMul`` (``elementwise.cc``): the fused QKV projection's output
   to rotated q, k and v, and the fused gate/up projection's output to ``silu(gate) * up``
   (``builder/fused_ops.py``);
@@ -40,7 +40,7 @@ import warnings
 from pathlib import Path
 
 LIBRARY_NAME = "libtrtllm_lite_ort_kernels.so"
-SOURCES = ("register.cc", "paged_decode_attention.cc", "elementwise.cc", "block_offsets.cc", "quantized_linear.cc",
+SOURCES = ("register.cc", "paged_attention.cc", "elementwise.cc", "block_offsets.cc", "quantized_linear.cc",
            "kernel_common.h", "ort_abi.h")
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
              "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-maybe-uninitialized")

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -201,13 +202,15 @@ struct KernelBase {
 };
 
 // An OrtCustomOp for the CPU execution provider with the status-returning entry points
-// (version 16 fields): every input and output required, in default memory, outputs float32.
+// (version 16 fields): inputs required up to num_required and optional after it, every output
+// required, in default memory, outputs float32.
 struct OpSpec {
   const char* name;
   const ONNXTensorElementDataType* input_types;
   size_t num_inputs;
   size_t num_outputs;          // float32 outputs
   OrtStatus* (*create)(const OrtKernelInfo* info, void** kernel);   // a new KernelBase
+  size_t num_required = SIZE_MAX;   // inputs [num_required, num_inputs) may be left out
 };
 
 struct CustomOp : OrtCustomOp {
@@ -273,7 +276,7 @@ inline OrtStatus* parallel_for(OrtKernelContext* context, void (*fn)(void*, size
 constexpr int64_t kSerialWork = 1 << 18;
 
 // Each kernel file's op (register.cc adds them to the "trtllm_lite" domain).
-const OrtCustomOp* paged_decode_attention_op();
+const OrtCustomOp* paged_attention_op();
 const OrtCustomOp* rotary_split_qkv_op();
 const OrtCustomOp* silu_and_mul_op();
 const OrtCustomOp* add_block_offsets_op();

@@ -19,7 +19,9 @@ CustomOp::CustomOp(const OpSpec& s) : OrtCustomOp{}, spec(s) {
   GetOutputTypeCount = [](const OrtCustomOp* op) { return spec_of(op).num_outputs; };
   GetOutputType = [](const OrtCustomOp*, size_t) { return kF32; };
   KernelDestroy = [](void* kernel) { delete static_cast<KernelBase*>(kernel); };
-  GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  GetInputCharacteristic = [](const OrtCustomOp* op, size_t i) {
+    return i < spec_of(op).num_required ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  };
   GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
   GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
   CreateKernelV2 = [](const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
@@ -40,7 +42,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   OrtCustomOpDomain* domain = nullptr;
   RETURN_IF_ERROR(slot<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(g_api, kCreateCustomOpDomain)(
       "trtllm_lite", &domain));
-  for (const OrtCustomOp* op : {paged_decode_attention_op(), rotary_split_qkv_op(), silu_and_mul_op(),
+  for (const OrtCustomOp* op : {paged_attention_op(), rotary_split_qkv_op(), silu_and_mul_op(),
                                 add_block_offsets_op(), quantized_linear_op(), quantized_linear_with_offsets_op(),
                                 quantized_linear_split8_op()})
     RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, kCustomOpDomainAdd)(

@@ -72,7 +72,8 @@ class OrtOptions:
             otherwise stay held for the process's life; measured on SmolLM2 fp32 serving:
             peak RSS 2.9 GB instead of 3.7 GB with a 2 GiB KV pool. Shrinking after every run
             instead made the next run page its buffers in again: a 1,024-token prompt step
-            ~16% slower (~5% of the prompt phase of 64 random-length requests).
+            ~16% slower (~5% of the prompt phase of 64 random-length requests). Not with the
+            kernels' graphs (:func:`graph_files`): their attention allocates no scores.
         enable_prepacking: let kernels repack constant weights at load (default on). Then
             ONNX Runtime reads ``weights.bin`` itself, keeps the packed weights (and the
             originals only where an unpacked reader needs them, e.g. the embedding Gather)
@@ -159,22 +160,34 @@ def session_options(num_threads: int | None, prepacking: bool = False,
     return so
 
 
-def graph_files(engine: EngineDir, accuracy_level: int | None = None) -> dict[str, str]:
-    """``kind -> graph file`` for the requested MatMulNBits accuracy level.
+def graph_files(engine: EngineDir, accuracy_level: int | None = None,
+                custom_kernels: bool = False) -> dict[str, str]:
+    """``kind -> graph file`` for the requested MatMulNBits accuracy level; with
+    ``custom_kernels`` (trtllm-lite's kernels are registered with the sessions), the graphs
+    whose PagedAttention nodes take no metadata inputs where the engine has them (built for
+    the onnxruntime backend at its own accuracy level: ``builder.paged_attention.
+    without_attention_metadata``).
 
     Raises:
         ValueError: the engine was not built with a graph variant for that level.
     """
     files = {kind: g["file"] for kind, g in engine.manifest["graphs"].items()}
+    variants = engine.manifest.get("graph_variants", {})
     if accuracy_level is None or accuracy_level == engine.build.get("accuracy_level", accuracy_level):
-        return files
-    variants = engine.manifest.get("graph_variants", {}).get("accuracy_level", {})
-    if str(accuracy_level) not in variants:
-        built = sorted({engine.build.get("accuracy_level")} | {int(k) for k in variants} - {None})
+        return dict(variants.get("custom_kernels") or files) if custom_kernels else files
+    levels = variants.get("accuracy_level", {})
+    if str(accuracy_level) not in levels:
+        built = sorted({engine.build.get("accuracy_level")} | {int(k) for k in levels} - {None})
         raise ValueError(f"accuracy_level {accuracy_level}: engine {engine.path!r} has graphs for "
                          f"accuracy levels {built}" if is_quantized(engine) else
                          f"accuracy_level {accuracy_level}: engine {engine.path!r} is not quantized")
-    return dict(variants[str(accuracy_level)])
+    return dict(levels[str(accuracy_level)])
+
+
+def kernels_registered(options: OrtOptions) -> bool:
+    """Whether sessions made with ``options`` register trtllm-lite's kernels (asked for, and
+    the library builds and loads here)."""
+    return options.custom_kernels and ort_kernels.library_path() is not None
 
 
 def uses_prepacking(engine: EngineDir, options: OrtOptions) -> bool:
@@ -202,7 +215,7 @@ def create_sessions(engine: EngineDir, num_threads: int | None = None,
         weights = weights if weights is not None else load_weights(engine)
         values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in weights.items()}
     sessions = {}
-    for kind, file in graph_files(engine, options.accuracy_level).items():
+    for kind, file in graph_files(engine, options.accuracy_level, kernels_registered(options)).items():
         if kinds is not None and kind not in kinds:
             continue
         so = session_options(num_threads or options.intra_op_num_threads, prepacking,
@@ -243,8 +256,11 @@ class OnnxRuntimeRunner:
             engine, num_threads, options=self.options, kinds=("prefill",) if self.single_session else None)
         self.num_heads = m["num_heads"]
         self._run_options = run_options()
+        self.graph_files = graph_files(engine, self.options.accuracy_level, kernels_registered(self.options))
         self._shrink_options = None     # run options that also shrink the arena, for large calls
-        if self.options.enable_cpu_mem_arena and self.options.arena_shrinkage:
+        # (the C++ PagedAttention kernel allocates no attention scores: nothing large to give back)
+        kernel_attention = self.graph_files != graph_files(engine, self.options.accuracy_level)
+        if self.options.enable_cpu_mem_arena and self.options.arena_shrinkage and not kernel_attention:
             self._shrink_options = run_options()
             self._shrink_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self.graph_time_s = 0.0     # seconds spent inside session runs (host overhead = the rest)

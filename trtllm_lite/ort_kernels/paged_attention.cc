@@ -1,25 +1,34 @@
-// trtllm_lite::PagedDecodeAttention for ONNX Runtime's CPU execution provider.
+// trtllm_lite::PagedAttention for ONNX Runtime's CPU execution provider: the whole op, one
+// node per layer, read straight from the paged KV pool (no gathered copy, no padding to the
+// step's longest sequence, no mask tensor). ONNX Runtime runs it in place of the op's ONNX
+// function body (builder/paged_attention.py), which picks a branch by the step's shape with
+// `If` nodes and needs ~130 metadata nodes a step; the graphs for sessions with this library
+// (graph_variants.custom_kernels) leave the metadata out.
 //
-// The PagedAttention op's decode step (every sequence computes one token), read straight from
-// the paged KV pool: for each sequence (or, with few sequences, each chunk of a sequence's
-// context, or each (sequence, KV head) pair, so every thread has work) the kernel walks the sequence's blocks through its block table
-// twice (scores, then the weighted sum of values), fetching the next block ahead (blocks lie
-// anywhere in the pool, where the hardware prefetcher cannot follow), with no gathered copy,
-// no padding to the step's longest context and no mask. The ONNX function body it replaces
-// (builder/paged_attention.py, make_decode_function) gathers every used block into a new
-// tensor for K and for V, then runs MatMuls over the copies.
+// Inputs (builder/paged_attention.py, INPUT_NAMES; T tokens of S sequences):
+//   0 query           [T, H, D]        float32
+//   1 key             [T, Hkv, D]      float32   the step's new K (rotary applied)
+//   2 value           [T, Hkv, D]      float32   the step's new V
+//   3 key_cache       [N, B, Hkv, D]   float32   this layer's K pool
+//   4 value_cache     [N, B, Hkv, D]   float32
+//   5 slot_mapping    [T]              int64     (the runtime stores the new K/V: unused here)
+//   6 block_tables    [S, M]           int64     logical -> physical block
+//   7 context_lens    [S]              int64     tokens cached before this step
+//   8 query_start_loc [S + 1]          int64     sequence s's tokens: [qsl[s], qsl[s + 1])
+//   9-22 (optional) the function body's metadata: unused here
+// Attribute: scale (float). Output: [T, H, D] float32. Query head h reads KV head h / (H / Hkv)
+// (grouped-query attention); token j of sequence s attends its cached positions and the
+// step's tokens of s up to j (causal).
 //
-// Inputs (builder/paged_attention.py, DECODE_INPUT_NAMES; S sequences, one token each):
-//   0 query        [S, H, D]          float32
-//   1 key          [S, Hkv, D]        float32   the new token's K (rotary applied)
-//   2 value        [S, Hkv, D]        float32   the new token's V
-//   3 key_cache    [N, B, Hkv, D]     float32   this layer's K pool
-//   4 value_cache  [N, B, Hkv, D]     float32
-//   5 block_tables [S, M]             int64     logical -> physical block
-//   6 context_lens [S]                int64     tokens cached before this step
-//   7-15 the function body's decode metadata (unused here)
-// Attribute: scale (float). Output: [S, H, D] float32.
-// Query head h reads KV head h / (H / Hkv) (grouped-query attention).
+// Decode steps (every sequence computes one token): for each sequence (or, with few
+// sequences, each chunk of a sequence's context, or each (sequence, KV head) pair, so every
+// thread has work) the kernel walks the sequence's blocks through its block table twice
+// (scores, then the weighted sum of values), fetching the next block ahead (blocks lie
+// anywhere in the pool, where the hardware prefetcher cannot follow).
+//
+// Other steps (prompts, prompt chunks, draft verification, mixed with decodes): tiles of a
+// sequence's tokens x one KV head's query heads, keys 64 at a time with an online softmax
+// (attend_tile, below).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -32,13 +41,8 @@
 namespace trtllm_lite_kernels {
 namespace {
 
-constexpr size_t kNumInputs = 16;
 constexpr int64_t kMinSequencesPerItemSplit = 8;
 constexpr int64_t kMinChunkBlocks = 4;   // context blocks per chunk at least (few sequences)
-constexpr ONNXTensorElementDataType kInputTypes[kNumInputs] = {
-    kF32, kF32, kF32, kF32, kF32, kI64, kI64,            // the op's own inputs
-    kI64, kF32, kI64, kI64, kI64, kI64, kF32, kF32, kBool  // the function body's metadata
-};
 
 struct DecodeStep {
   const float *query, *key, *value, *key_cache, *value_cache;
@@ -483,68 +487,307 @@ void attend(void* user, size_t item) {
     }
 }
 
+// -- steps with a sequence computing several tokens (prefill, chunked prefill, draft verification) --
+
+// A tile of up to `tile` consecutive query tokens of one sequence, one KV head, all its query
+// heads: rows (token j, query head g), each attending the sequence's cached positions (read
+// through the block table) and the step's own tokens up to j (causal), key chunk by key chunk
+// with an online softmax (running max and sum, the output rescaled when the max grows: Milakov
+// & Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al. 2022,
+// FlashAttention), so no score row as long as the context is ever stored.
+struct PrefillStep {
+  const float *query, *key, *value, *key_cache, *value_cache;
+  const int64_t *block_tables, *context_lens, *query_start_loc;
+  float* output;
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, tile;
+  const int64_t* items;   // [num_items, 3]: sequence, KV head, first token of the tile
+  float scale;
+};
+
+// Keys go through a tile kChunkKeys at a time, as up to kSegments segments of up to 16 keys
+// whose rows are `stride` floats apart (a cached block's rows, or the step's own tokens).
+constexpr int64_t kSegmentKeys = 16, kSegments = 4, kChunkKeys = kSegmentKeys * kSegments;
+
+struct KeyChunk {
+  const float* keys[kSegments];
+  const float* values[kSegments];
+  int64_t count = 0;          // keys in the chunk: segments before the last are full
+  int64_t causal_first = -1;  // the step-token index of the first key (a row of token j takes keys
+                              // up to j), or -1 for cached positions (every row takes them all)
+  const float* key(int64_t i, int64_t stride) const { return keys[i / kSegmentKeys] + i % kSegmentKeys * stride; }
+  const float* value(int64_t i, int64_t stride) const {
+    return values[i / kSegmentKeys] + i % kSegmentKeys * stride;
+  }
+};
+
+// The tile's running state: rows (token j0 + r / group, query head r % group).
+struct TileState {
+  const float* q;   // [rows, D]: the queries times scale
+  float* acc;       // [rows, D]: unnormalized outputs
+  float* maxes;     // [rows]: the running max (-3e38 before the first key)
+  float* sums;      // [rows]: the running sum of exponentials
+  float* scores;    // [rows, kChunkKeys]
+  float* kt;        // [D, kChunkKeys]: the chunk's keys transposed (vector path)
+  int64_t rows, group, j0, d, stride;
+  int64_t limit(const KeyChunk& c, int64_t r) const {   // keys row r takes from chunk c
+    return c.causal_first < 0 ? c.count : std::min(c.count, j0 + r / group - c.causal_first + 1);
+  }
+};
+
+// The online-softmax update of row r with its chunk scores row[0, limit): new max, the old sums
+// and outputs rescaled by e^(old max - new max), the scores turned into exponentials in place.
+// Returns the rescale factor.
+inline float softmax_update(const TileState& t, int64_t r, float* row, int64_t limit) {
+  float mx = t.maxes[r];
+  for (int64_t i = 0; i < limit; ++i) mx = std::max(mx, row[i]);
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < limit; ++i) {
+    row[i] = exp_nonpositive(row[i] - mx);
+    total += row[i];
+  }
+  const float alpha = exp_nonpositive(t.maxes[r] - mx);   // ~0 at the first chunk
+  t.sums[r] = t.sums[r] * alpha + total;
+  t.maxes[r] = mx;
+  return alpha;
+}
+
+// Any head_dim: per row, dot products, then the values.
+inline void attend_chunk(const TileState& t, const KeyChunk& c) {
+  const int64_t d = t.d;
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t limit = t.limit(c, r);
+    if (limit <= 0) continue;
+    const float* qr = t.q + r * d;
+    float* row = t.scores + r * kChunkKeys;
+    for (int64_t i = 0; i < limit; ++i) {
+      const float* ki = c.key(i, t.stride);
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t x = 0; x < d; ++x) dot += qr[x] * ki[x];
+      row[i] = dot;
+    }
+    const float alpha = softmax_update(t, r, row, limit);
+    float* a = t.acc + r * d;
+#pragma omp simd
+    for (int64_t x = 0; x < d; ++x) a[x] *= alpha;
+    for (int64_t i = 0; i < limit; ++i) {
+      const float p = row[i];
+      const float* vi = c.value(i, t.stride);
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) a[x] += p * vi[x];
+    }
+  }
+}
+
+// head_dim D = 8 * NC (16 to 128), in 8-float vectors (GCC's vector extensions: AVX2 and
+// AVX-512 builds alike, SSE pairs on the portable one). The chunk's keys are transposed once
+// to [D][64], so 4 rows' scores for 16 keys are 8 independent chains of D multiply-adds with no
+// horizontal sums; then per row the softmax update and its output, in registers, plus the
+// chunk's values.
+#pragma GCC diagnostic ignored "-Wpsabi"   // (inline helpers only: no 32-byte vector crosses a call)
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, const v8f& v) { std::memcpy(p, &v, sizeof v); }
+inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+// exp_nonpositive on 8 lanes (its reduction and polynomial; n by the 1.5 * 2^23 rounding trick).
+inline v8f exp_nonpositive_v8(const v8f& x_in) {
+  const v8f x = x_in < -87.0f ? splat8(-87.0f) : x_in;
+  const v8f t = x * 1.44269504088896341f + 12582912.0f;   // n + 1.5 * 2^23: n in the low bits
+  const v8f n = t - 12582912.0f;
+  const v8f r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  v8f p = splat8(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v8i bits = ((v8i)t - 0x4B400000 + 127) << 23;   // (vector casts keep the bits)
+  return p * (v8f)bits;
+}
+
+// softmax_update in 8-lane groups (lanes past limit: no part in the max, exponentials 0).
+inline float softmax_update_v8(const TileState& t, int64_t r, float* row, int64_t limit) {
+  const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  const int64_t groups = (limit + 7) / 8;
+  v8f m = splat8(t.maxes[r]);
+  for (int64_t g = 0; g < groups; ++g) {
+    const v8f x = load8(row + 8 * g);
+    m = (lane + static_cast<int32_t>(8 * g) < static_cast<int32_t>(limit)) & (x > m) ? x : m;
+  }
+  float mx = m[0];
+  for (int i = 1; i < 8; ++i) mx = std::max(mx, m[i]);
+  const v8f mv = splat8(mx);
+  v8f total = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const v8f e = exp_nonpositive_v8(load8(row + 8 * g) - mv);
+    const v8f p = lane + static_cast<int32_t>(8 * g) < static_cast<int32_t>(limit) ? e : v8f{};
+    store8(row + 8 * g, p);
+    total += p;
+  }
+  float sum = 0.0f;
+  for (int i = 0; i < 8; ++i) sum += total[i];
+  const float alpha = exp_nonpositive(t.maxes[r] - mx);   // ~0 at the first chunk
+  t.sums[r] = t.sums[r] * alpha + sum;
+  t.maxes[r] = mx;
+  return alpha;
+}
+
+template <int NC>
+void attend_chunk_v8(const TileState& t, const KeyChunk& c) {
+  constexpr int64_t d = 8 * NC, kRows = 6;
+  const int64_t segments = (c.count + kSegmentKeys - 1) / kSegmentKeys;
+  for (int64_t i = 0; i < segments * kSegmentKeys; ++i) {   // kt[x * 64 + i]: key i's element x
+    if (i < c.count) {
+      const float* ki = c.key(i, t.stride);
+      for (int64_t x = 0; x < d; ++x) t.kt[x * kChunkKeys + i] = ki[x];
+    } else {
+      for (int64_t x = 0; x < d; ++x) t.kt[x * kChunkKeys + i] = 0.0f;
+    }
+  }
+  for (int64_t r0 = 0; r0 < t.rows; r0 += kRows) {   // scores, 4 rows x 16 keys at a time
+    const int64_t together = std::min(kRows, t.rows - r0);
+    if (t.limit(c, r0 + together - 1) <= 0) continue;   // (causal: the last row takes the most)
+    const float* q = t.q + r0 * d;
+    for (int64_t g = 0; g < segments; ++g) {
+      v8f acc[kRows][2] = {};
+      for (int64_t x = 0; x < d; ++x) {
+        const float* kx = t.kt + x * kChunkKeys + g * kSegmentKeys;
+        const v8f k0 = load8(kx), k1 = load8(kx + 8);
+        for (int64_t u = 0; u < kRows; ++u) {
+          const v8f qx = splat8(q[(u < together ? u : 0) * d + x]);
+          acc[u][0] += qx * k0;
+          acc[u][1] += qx * k1;
+        }
+      }
+      for (int64_t u = 0; u < together; ++u) {
+        store8(t.scores + (r0 + u) * kChunkKeys + g * kSegmentKeys, acc[u][0]);
+        store8(t.scores + (r0 + u) * kChunkKeys + g * kSegmentKeys + 8, acc[u][1]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < t.rows; ++r) {
+    const int64_t limit = t.limit(c, r);
+    if (limit <= 0) continue;
+    float* row = t.scores + r * kChunkKeys;
+    const float alpha = softmax_update_v8(t, r, row, limit);
+    float* a = t.acc + r * d;
+    v8f out[NC];
+    for (int c8 = 0; c8 < NC; ++c8) out[c8] = load8(a + 8 * c8) * alpha;
+    for (int64_t i = 0; i < limit; ++i) {
+      const v8f p = splat8(row[i]);
+      const float* vi = c.value(i, t.stride);
+      for (int c8 = 0; c8 < NC; ++c8) out[c8] += p * load8(vi + 8 * c8);
+    }
+    for (int c8 = 0; c8 < NC; ++c8) store8(a + 8 * c8, out[c8]);
+  }
+}
+
+// DT: head_dim when known at compile time (a multiple of 8 takes attend_chunk_v8).
+template <int DT>
+void attend_tile(const PrefillStep& st, int64_t s, int64_t h, int64_t j0) {
+  const int64_t d = DT ? DT : st.head_dim;
+  const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, stride = hkv * d, bs = st.block_size;
+  const int64_t q0 = st.query_start_loc[s], q_len = st.query_start_loc[s + 1] - q0, ctx = st.context_lens[s];
+  const int64_t j1 = std::min(q_len, j0 + st.tile), rows = (j1 - j0) * group;
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(rows * (2 * d + 2 + kChunkKeys) + d * kChunkKeys));
+  float* q = buffer.data();
+  TileState t{q, q + rows * d, q + 2 * rows * d, q + 2 * rows * d + rows, q + 2 * rows * d + 2 * rows,
+              q + rows * (2 * d + 2 + kChunkKeys), rows, group, j0, d, stride};
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = st.query + ((q0 + j0 + r / group) * st.num_heads + h * group + r % group) * d;
+    for (int64_t x = 0; x < d; ++x) q[r * d + x] = src[x] * st.scale;
+  }
+  std::fill(t.acc, t.acc + rows * d, 0.0f);
+  std::fill(t.maxes, t.maxes + rows, -3.0e38f);
+  std::fill(t.sums, t.sums + rows, 0.0f);
+  KeyChunk chunk;
+  auto flush = [&] {
+    if (chunk.count == 0) return;
+    if constexpr (DT != 0 && DT % 8 == 0)
+      attend_chunk_v8<DT / 8>(t, chunk);
+    else
+      attend_chunk(t, chunk);
+    chunk.count = 0;
+  };
+  // keys and values [first, first + n) of a stretch whose rows are `stride` apart, in segments
+  auto add = [&](const float* k, const float* v, int64_t n) {
+    for (int64_t i = 0; i < n; i += kSegmentKeys) {
+      const int64_t g = chunk.count / kSegmentKeys;
+      chunk.keys[g] = k + i * stride;
+      chunk.values[g] = v + i * stride;
+      chunk.count += std::min(kSegmentKeys, n - i);
+      if (chunk.count % kSegmentKeys != 0 || chunk.count == kChunkKeys) flush();   // a short segment ends a chunk
+    }
+  };
+  const int64_t* table = st.block_tables + s * st.max_blocks;
+  const int64_t block_floats = bs * stride;
+  for (int64_t start = 0; start < ctx; start += bs) {   // cached positions, block by block
+    if (start + bs < ctx) {   // blocks lie anywhere in the pool: fetch the next one's keys ahead
+      const char* next = reinterpret_cast<const char*>(st.key_cache + table[start / bs + 1] * block_floats + h * d);
+      for (int64_t row = 0; row < bs; ++row) __builtin_prefetch(next + row * stride * 4);
+    }
+    const int64_t base = table[start / bs] * block_floats + h * d;
+    add(st.key_cache + base, st.value_cache + base, std::min(bs, ctx - start));
+  }
+  flush();
+  const int64_t base = (q0 * hkv + h) * d;   // the step's tokens up to the tile's last, causal
+  for (int64_t i0 = 0; i0 < j1; i0 += kChunkKeys) {
+    chunk.causal_first = i0;
+    add(st.key + base + i0 * stride, st.value + base + i0 * stride, std::min(kChunkKeys, j1 - i0));
+    flush();
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = st.output + ((q0 + j0 + r / group) * st.num_heads + h * group + r % group) * d;
+    const float inv = 1.0f / t.sums[r];
+    for (int64_t x = 0; x < d; ++x) out[x] = t.acc[r * d + x] * inv;
+  }
+}
+
+void attend_prefill_item(void* user, size_t item) {
+  const PrefillStep& st = *static_cast<const PrefillStep*>(user);
+  const int64_t* it = st.items + 3 * static_cast<int64_t>(item);
+  switch (st.head_dim) {
+    case 16: return attend_tile<16>(st, it[0], it[1], it[2]);
+    case 32: return attend_tile<32>(st, it[0], it[1], it[2]);
+    case 64: return attend_tile<64>(st, it[0], it[1], it[2]);
+    case 128: return attend_tile<128>(st, it[0], it[1], it[2]);
+    default: return attend_tile<0>(st, it[0], it[1], it[2]);
+  }
+}
+
+// -- the op ------------------------------------------------------------------------------
+
+// Inputs (builder/paged_attention.py, INPUT_NAMES): 0-4 query [T, H, D], key / value [T, Hkv, D],
+// key_cache / value_cache [N, B, Hkv, D] float32; 5 slot_mapping [T] (the runtime writes the
+// new K/V: unused here), 6 block_tables [S, M], 7 context_lens [S], 8 query_start_loc [S + 1]
+// int64; 9-22 the ONNX function body's metadata (METADATA_NAMES: optional, unused here).
+constexpr size_t kNumInputs = 23, kNumRequired = 9;
+constexpr ONNXTensorElementDataType kInputTypes[kNumInputs] = {
+    kF32, kF32, kF32, kF32, kF32, kI64, kI64, kI64, kI64,            // the op's own inputs
+    kI64, kI64, kI64, kF32, kF32, kI64, kI64, kI64, kI64, kF32, kF32,  // the function body's metadata
+    kBool, kBool, kBool};
+
 struct Kernel : KernelBase {
   float scale = 1.0f;
   OrtStatus* compute(OrtKernelContext* context) override;
 };
 
-OrtStatus* Kernel::compute(OrtKernelContext* context) {
-  Tensor t[7];
-  for (size_t i = 0; i < 7; ++i) RETURN_IF_ERROR(read_input(context, i, &t[i]));
-  const char* names[7] = {"query", "key", "value", "key_cache", "value_cache", "block_tables", "context_lens"};
-  const size_t ranks[7] = {3, 3, 3, 4, 4, 2, 1};
-  for (size_t i = 0; i < 7; ++i)
-    if (t[i].dims.size() != ranks[i])
-      return error(ORT_INVALID_ARGUMENT, std::string("PagedDecodeAttention: ") + names[i] + " has shape " +
-                                             dims_string(t[i].dims) + ", expected rank " + std::to_string(ranks[i]));
-  const int64_t S = t[0].dims[0], H = t[0].dims[1], D = t[0].dims[2];
-  const int64_t Hkv = t[1].dims[1], N = t[3].dims[0], B = t[3].dims[1], M = t[5].dims[1];
-  const std::vector<int64_t> kv_dims{S, Hkv, D}, pool_dims{N, B, Hkv, D};
-  if (Hkv <= 0 || H % Hkv != 0)
-    return error(ORT_INVALID_ARGUMENT, "PagedDecodeAttention: query heads " + std::to_string(H) +
-                                           " are not a multiple of key heads " + std::to_string(Hkv));
-  if (t[1].dims != kv_dims || t[2].dims != kv_dims)
-    return error(ORT_INVALID_ARGUMENT, "PagedDecodeAttention: key / value shapes " + dims_string(t[1].dims) +
-                                           " / " + dims_string(t[2].dims) + ", expected " + dims_string(kv_dims));
-  if (t[3].dims != pool_dims || t[4].dims != pool_dims)
-    return error(ORT_INVALID_ARGUMENT, "PagedDecodeAttention: key_cache / value_cache shapes " +
-                                           dims_string(t[3].dims) + " / " + dims_string(t[4].dims) +
-                                           ", expected [num_blocks, block_size, " + std::to_string(Hkv) + ", " +
-                                           std::to_string(D) + "]");
-  if (t[5].dims[0] != S || t[6].dims[0] != S)
-    return error(ORT_INVALID_ARGUMENT, "PagedDecodeAttention: block_tables " + dims_string(t[5].dims) +
-                                           " / context_lens " + dims_string(t[6].dims) + " do not have " +
-                                           std::to_string(S) + " sequences (one query token each)");
-  DecodeStep step{};
-  RETURN_IF_ERROR(data_of(t[0].value, &step.query));
-  RETURN_IF_ERROR(data_of(t[1].value, &step.key));
-  RETURN_IF_ERROR(data_of(t[2].value, &step.value));
-  RETURN_IF_ERROR(data_of(t[3].value, &step.key_cache));
-  RETURN_IF_ERROR(data_of(t[4].value, &step.value_cache));
-  RETURN_IF_ERROR(data_of(t[5].value, &step.block_tables));
-  RETURN_IF_ERROR(data_of(t[6].value, &step.context_lens));
-  // every block the step reads must be in the pool: the kernel reads it unchecked
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t ctx = step.context_lens[s];
-    if (ctx < 0 || ctx > M * B)
-      return error(ORT_INVALID_ARGUMENT, "PagedDecodeAttention: context_lens[" + std::to_string(s) + "] = " +
-                                             std::to_string(ctx) + " outside [0, " + std::to_string(M * B) + "]");
-    for (int64_t b = 0; b < (ctx + B - 1) / B; ++b) {
-      const int64_t block = step.block_tables[s * M + b];
-      if (block < 0 || block >= N)
-        return error(ORT_INVALID_ARGUMENT, "PagedDecodeAttention: block_tables[" + std::to_string(s) + ", " +
-                                               std::to_string(b) + "] = " + std::to_string(block) +
-                                               " outside the pool's " + std::to_string(N) + " blocks");
-    }
-  }
-  RETURN_IF_ERROR(new_output(context, 0, {S, H, D}, &step.output));
-  if (S == 0) return nullptr;
-  step.num_heads = H;
-  step.num_kv_heads = Hkv;
-  step.head_dim = D;
-  step.block_size = B;
-  step.max_blocks = M;
-  step.scale = scale;
+OrtStatus* invalid(const std::string& message) { return error(ORT_INVALID_ARGUMENT, "PagedAttention: " + message); }
+
+// Every sequence computing one token: the decode kernels above.
+OrtStatus* run_decode(OrtKernelContext* context, DecodeStep& step, int64_t S) {
+  [[maybe_unused]] const int64_t B = step.block_size, H = step.num_heads;
+  const int64_t D = step.head_dim, Hkv = step.num_kv_heads;
   // a work item per sequence reads its pool rows contiguously (all KV heads: measured ~25%
   // faster than per-head items at 8-64 sequences on 2 cores); with fewer sequences, a work
   // item per (sequence, KV head) keeps the threads busy
@@ -578,14 +821,119 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
                       kv_bytes < (64 << 10));
 }
 
+OrtStatus* Kernel::compute(OrtKernelContext* context) {
+  Tensor t[kNumRequired];
+  for (size_t i = 0; i < kNumRequired; ++i) RETURN_IF_ERROR(read_input(context, i, &t[i]));
+  const char* names[kNumRequired] = {"query", "key", "value", "key_cache", "value_cache", "slot_mapping",
+                                     "block_tables", "context_lens", "query_start_loc"};
+  const size_t ranks[kNumRequired] = {3, 3, 3, 4, 4, 1, 2, 1, 1};
+  for (size_t i = 0; i < kNumRequired; ++i)
+    if (t[i].dims.size() != ranks[i])
+      return invalid(std::string(names[i]) + " has shape " + dims_string(t[i].dims) + ", expected rank " +
+                     std::to_string(ranks[i]));
+  const int64_t T = t[0].dims[0], H = t[0].dims[1], D = t[0].dims[2];
+  const int64_t Hkv = t[1].dims[1], N = t[3].dims[0], B = t[3].dims[1], S = t[6].dims[0], M = t[6].dims[1];
+  const std::vector<int64_t> kv_dims{T, Hkv, D}, pool_dims{N, B, Hkv, D};
+  if (Hkv <= 0 || H % Hkv != 0)
+    return invalid("query heads " + std::to_string(H) + " are not a multiple of key heads " + std::to_string(Hkv));
+  if (t[1].dims != kv_dims || t[2].dims != kv_dims)
+    return invalid("key / value shapes " + dims_string(t[1].dims) + " / " + dims_string(t[2].dims) + ", expected " +
+                   dims_string(kv_dims));
+  if (t[3].dims != pool_dims || t[4].dims != pool_dims)
+    return invalid("key_cache / value_cache shapes " + dims_string(t[3].dims) + " / " + dims_string(t[4].dims) +
+                   ", expected [num_blocks, block_size, " + std::to_string(Hkv) + ", " + std::to_string(D) + "]");
+  if (t[7].dims[0] != S || t[8].dims[0] != S + 1)
+    return invalid("context_lens " + dims_string(t[7].dims) + " / query_start_loc " + dims_string(t[8].dims) +
+                   " do not match block_tables' " + std::to_string(S) + " sequences");
+  const int64_t *block_tables, *context_lens, *query_start_loc;
+  RETURN_IF_ERROR(data_of(t[6].value, &block_tables));
+  RETURN_IF_ERROR(data_of(t[7].value, &context_lens));
+  RETURN_IF_ERROR(data_of(t[8].value, &query_start_loc));
+  // every position the step reads must be there: the kernels read them unchecked
+  if (S > 0 && (query_start_loc[0] != 0 || query_start_loc[S] != T))
+    return invalid("query_start_loc runs from " + std::to_string(query_start_loc[0]) + " to " +
+                   std::to_string(query_start_loc[S]) + ", expected 0 to the step's " + std::to_string(T) + " tokens");
+  bool all_decode = T == S;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s], ctx = context_lens[s];
+    if (q_len < 0)
+      return invalid("query_start_loc[" + std::to_string(s + 1) + "] = " + std::to_string(query_start_loc[s + 1]) +
+                     " is below query_start_loc[" + std::to_string(s) + "] = " + std::to_string(query_start_loc[s]));
+    all_decode = all_decode && q_len == 1;
+    if (ctx < 0 || ctx > M * B)
+      return invalid("context_lens[" + std::to_string(s) + "] = " + std::to_string(ctx) + " outside [0, " +
+                     std::to_string(M * B) + "]");
+    for (int64_t b = 0; b < (ctx + B - 1) / B; ++b) {
+      const int64_t block = block_tables[s * M + b];
+      if (block < 0 || block >= N)
+        return invalid("block_tables[" + std::to_string(s) + ", " + std::to_string(b) + "] = " +
+                       std::to_string(block) + " outside the pool's " + std::to_string(N) + " blocks");
+    }
+  }
+  float* output;
+  RETURN_IF_ERROR(new_output(context, 0, {T, H, D}, &output));
+  if (T == 0) return nullptr;
+  const float *query, *key, *value, *key_cache, *value_cache;
+  RETURN_IF_ERROR(data_of(t[0].value, &query));
+  RETURN_IF_ERROR(data_of(t[1].value, &key));
+  RETURN_IF_ERROR(data_of(t[2].value, &value));
+  RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
+  RETURN_IF_ERROR(data_of(t[4].value, &value_cache));
+  if (all_decode) {   // token s is sequence s's
+    DecodeStep step{};
+    step.query = query;
+    step.key = key;
+    step.value = value;
+    step.key_cache = key_cache;
+    step.value_cache = value_cache;
+    step.block_tables = block_tables;
+    step.context_lens = context_lens;
+    step.output = output;
+    step.num_heads = H;
+    step.num_kv_heads = Hkv;
+    step.head_dim = D;
+    step.block_size = B;
+    step.max_blocks = M;
+    step.scale = scale;
+    return run_decode(context, step, S);
+  }
+  const int64_t group = H / Hkv;
+  PrefillStep step{query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc, output,
+                   H, Hkv, D, B, M, std::max<int64_t>(1, 128 / group), nullptr, scale};
+  // work items (sequence, KV head, tile), the longest (latest tiles: the most keys) first
+  thread_local std::vector<int64_t> items;
+  items.clear();
+  int64_t work = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+    for (int64_t j0 = 0; j0 < q_len; j0 += step.tile) {
+      work += (context_lens[s] + std::min(q_len, j0 + step.tile)) * std::min(step.tile, q_len - j0);
+      for (int64_t h = 0; h < Hkv; ++h) items.insert(items.end(), {s, h, j0});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size()) / 3;
+  std::vector<int64_t> order(static_cast<size_t>(num_items));
+  for (int64_t i = 0; i < num_items; ++i) order[static_cast<size_t>(i)] = i;
+  auto keys = [&](int64_t i) { return context_lens[items[3 * i]] + items[3 * i + 2]; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys(a) > keys(b); });
+  thread_local std::vector<int64_t> sorted;
+  sorted.resize(items.size());
+  for (int64_t i = 0; i < num_items; ++i)
+    std::copy_n(items.begin() + 3 * order[static_cast<size_t>(i)], 3, sorted.begin() + 3 * i);
+  step.items = sorted.data();
+  // one thread below kSerialWork multiply-adds (query-key pairs x heads x D x 2)
+  return parallel_for(context, attend_prefill_item, static_cast<size_t>(num_items), &step,
+                      work * H * D * 2 < kSerialWork);
+}
+
 OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
   return new_kernel<Kernel>(kernel, [info](Kernel& k) { return float_attribute(info, "scale", &k.scale); });
 }
 
 }  // namespace
 
-const OrtCustomOp* paged_decode_attention_op() {
-  static const CustomOp op({"PagedDecodeAttention", kInputTypes, kNumInputs, 1, create_kernel});
+const OrtCustomOp* paged_attention_op() {
+  static const CustomOp op({"PagedAttention", kInputTypes, kNumInputs, 1, create_kernel, kNumRequired});
   return &op;
 }
 
