@@ -208,6 +208,7 @@ def test_kernel_matches_reference(kernel_library, heads, kv_heads, head_dim, blo
     ("value", None, "key / value shapes"),
     ("query_start_loc", "short", "query_start_loc runs from 0 to"),
     ("query_start_loc", "decreasing", "is below query_start_loc"),
+    ("block_tables", "no sequences", "query_start_loc runs from 0 to 0, expected 0 to"),
 ])
 def test_kernel_rejects_bad_inputs(kernel_library, field, value, message, qlens):
     """A block table entry outside the pool, a context longer than the table, mismatched
@@ -219,7 +220,10 @@ def test_kernel_rejects_bad_inputs(kernel_library, field, value, message, qlens)
         return random_step(np.random.default_rng(4), [40, 7], qlens, 9, 3, 64, 16)
 
     bad = feed()
-    if field == "block_tables":
+    if value == "no sequences":   # tokens, but no sequence to own them
+        bad["block_tables"], bad["context_lens"] = bad["block_tables"][:0], bad["context_lens"][:0]
+        bad["query_start_loc"] = bad["query_start_loc"][:1]
+    elif field == "block_tables":
         bad["block_tables"][0, 1] = value
     elif field == "context_lens":
         bad["context_lens"][1] = value

@@ -850,7 +850,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(data_of(t[7].value, &context_lens));
   RETURN_IF_ERROR(data_of(t[8].value, &query_start_loc));
   // every position the step reads must be there: the kernels read them unchecked
-  if (S > 0 && (query_start_loc[0] != 0 || query_start_loc[S] != T))
+  if (query_start_loc[0] != 0 || query_start_loc[S] != T)   // (also: tokens but no sequence)
     return invalid("query_start_loc runs from " + std::to_string(query_start_loc[0]) + " to " +
                    std::to_string(query_start_loc[S]) + ", expected 0 to the step's " + std::to_string(T) + " tokens");
   bool all_decode = T == S;
