@@ -24,6 +24,10 @@
 
 #include "ort_abi.h"
 
+// The library is one unit built with one set of flags, and its 32-byte GCC vectors only pass
+// between inline functions: GCC's note that their ABI differs without AVX does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 namespace trtllm_lite_kernels {
 
 using namespace ort_abi;
@@ -83,19 +87,26 @@ OrtStatus* data_of(const OrtValue* value, T** out) {
   return nullptr;
 }
 
-// e^x for x <= 0 (scores minus their max), vectorizable: x = n ln2 + r, |r| <= ln2 / 2,
-// e^r by its degree-6 Taylor polynomial (relative error < 2e-7), 2^n through the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
+// e^r for |r| <= ln2 / 2 by its degree-6 Taylor polynomial (relative error < 2e-7), in Horner
+// form; T is float or a GCC vector of floats.
+template <typename T>
+inline T exp_reduced(const T& r) {
+  T p = T{} + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+// e^x for x <= 0 (scores minus their max), vectorizable: x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by exp_reduced, 2^n through the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  const float p = exp_reduced(r);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);

@@ -585,7 +585,6 @@ inline void attend_chunk(const TileState& t, const KeyChunk& c) {
 // to [D][64], so 4 rows' scores for 16 keys are 8 independent chains of D multiply-adds with no
 // horizontal sums; then per row the softmax update and its output, in registers, plus the
 // chunk's values.
-#pragma GCC diagnostic ignored "-Wpsabi"   // (inline helpers only: no 32-byte vector crosses a call)
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -603,15 +602,8 @@ inline v8f exp_nonpositive_v8(const v8f& x_in) {
   const v8f t = x * 1.44269504088896341f + 12582912.0f;   // n + 1.5 * 2^23: n in the low bits
   const v8f n = t - 12582912.0f;
   const v8f r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  v8f p = splat8(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
   const v8i bits = ((v8i)t - 0x4B400000 + 127) << 23;   // (vector casts keep the bits)
-  return p * (v8f)bits;
+  return exp_reduced(r) * (v8f)bits;
 }
 
 // softmax_update in 8-lane groups (lanes past limit: no part in the max, exponentials 0).
