@@ -441,6 +441,7 @@ def test_smollm2_int4_maps_every_q4_1_block(smollm2_int4_engine):
         assert main(["info", "--engine", smollm2_int4_engine]) == 0
     assert ("quantized   int4 (block 32, from gguf:Q4_1, gguf:Q8_0+split), lm_head quantized, "
             "accuracy levels 0, 4 (built 0)") in out.getvalue()
+    assert "graphs      prefill, decode (+ prefill.kernels.onnx, decode.kernels.onnx for the C++ kernels)" in out.getvalue()
     linear_bytes = sum(t["nbytes"] for n, t in m["weights"]["tensors"].items() if n.startswith("layers."))
     assert linear_bytes < 0.22 * 4 * 106e6          # ~6.6 bits per weight (codes, d, m, zero points)
 

@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
               f"lm_head {'quantized' if build.get('quantize_lm_head') else 'float'}, accuracy levels "
               f"{', '.join(levels)} (built {build.get('accuracy_level')})")
     print(f"weights     {weights / 2**20:.1f} MiB in {m['weights']['file']}")
-    print(f"graphs      {', '.join(m['graphs'])}; tokenizer {', '.join(m['tokenizer']['files']) or 'none'}")
+    kernel_graphs = m.get("graph_variants", {}).get("custom_kernels")
+    print(f"graphs      {', '.join(m['graphs'])}"
+          f"{' (+ ' + ', '.join(kernel_graphs.values()) + ' for the C++ kernels)' if kernel_graphs else ''}; "
+          f"tokenizer {', '.join(m['tokenizer']['files']) or 'none'}")
     print(f"built with  {', '.join(f'{k} {v}' for k, v in m['versions'].items())}")
     return 0
