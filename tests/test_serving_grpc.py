@@ -246,6 +246,17 @@ def test_model_info_and_tokenizer(client, smollm2_llm):
     assert client.detokenize(ids) == smollm2_llm.tokenizer.decode(ids) == text
 
 
+def test_tokenize_of_text_longer_than_any_max_seq_len_tokens_is_refused_untokenized(client):
+    """Tokenize bounds text like Generate's prompt: 10 MiB is INVALID_ARGUMENT by its length in
+    characters, not tokenized on the server's event loop (~25 s for 13 MB, every other request
+    stalled; found by QA)."""
+    with pytest.raises(grpc.RpcError) as e:
+        client.tokenize("a" * (10 << 20))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "has 10485760 characters: more than" in e.value.details()
+    assert len(client.tokenize("hello world " * 1500)) > client.model_info().max_seq_len
+
+
 def test_health_and_reflection(server, client):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 

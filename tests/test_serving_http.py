@@ -258,6 +258,19 @@ def test_prompt_longer_than_any_max_seq_len_tokens_is_refused_untokenized(server
     assert error["param"] == ("prompt" if route == "completions" else "messages")
 
 
+def test_tokenize_of_text_longer_than_any_max_seq_len_tokens_is_refused_untokenized(server):
+    """/tokenize bounds text like a prompt: 10 MiB is refused by its length in characters (it
+    was tokenized on the event loop both servers share: ~25 s for 13 MB, every stream stalled;
+    found by QA); text longer than max_seq_len tokens but within the bound is still counted."""
+    r = httpx.post(f"http://{server.http}/tokenize", json={"prompt": "a" * (10 << 20)}, timeout=120)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert re.search(r"has 10485760 characters: more than \d+ tokens can hold", error["message"])
+    assert error["param"] == "prompt"
+    long = httpx.post(f"http://{server.http}/tokenize", json={"prompt": "hello world " * 1500}, timeout=120).json()
+    assert long["count"] > long["max_model_len"]
+
+
 def test_wrong_type_names_the_parameter_not_pydantic_internals(server):
     r = httpx.post(f"http://{server.http}/v1/completions", timeout=30,
                    json={"model": "smollm2", "prompt": "Hi", "stop": 5})

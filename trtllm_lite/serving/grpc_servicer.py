@@ -151,7 +151,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
                 ids = self.service.chat_prompt([{"role": m.role, "content": m.content} for m in chat.messages], add)
             else:
                 special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = self.service.tokenizer.encode(request.text, add_special_tokens=special)
+                ids = self.service.tokenize_text(request.text, special)
         except Exception as e:  # noqa: BLE001
             await self._fail(context, e)
         return pb.TokenizeResponse(token_ids=ids, max_seq_len=self.service.llm.engine.scheduler_config.max_seq_len)

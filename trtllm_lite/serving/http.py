@@ -227,7 +227,7 @@ class OpenAIServer:
                 ids = self.service.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages],
                                                body.add_generation_prompt)
             elif body.prompt is not None:
-                ids = self.service.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                ids = self.service.tokenize_text(body.prompt, body.add_special_tokens)
             else:
                 raise ValueError("prompt or messages is required")
         except Exception as e:  # noqa: BLE001
