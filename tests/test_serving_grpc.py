@@ -257,6 +257,18 @@ def test_tokenize_of_text_longer_than_any_max_seq_len_tokens_is_refused_untokeni
     assert len(client.tokenize("hello world " * 1500)) > client.model_info().max_seq_len
 
 
+def test_tokenize_without_input_is_invalid_argument(client):
+    """A TokenizeRequest with neither text nor chat is INVALID_ARGUMENT (it answered an empty
+    token list; Generate without a prompt and HTTP /tokenize without one are refused; QA); an
+    explicitly empty text is still tokenized."""
+    from trtllm_lite.serving.protos import llm_service_pb2 as pb
+
+    with pytest.raises(grpc.RpcError) as e:
+        client.stub.Tokenize(pb.TokenizeRequest(), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "set text or chat" in e.value.details()
+    assert list(client.stub.Tokenize(pb.TokenizeRequest(text="", add_special_tokens=False), timeout=30).token_ids) == []
+
+
 def test_health_and_reflection(server, client):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 

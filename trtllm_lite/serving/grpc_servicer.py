@@ -145,6 +145,8 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
             which = request.WhichOneof("input")
+            if which is None:   # as Generate without a prompt and HTTP /tokenize without one
+                raise ValueError("input is missing: set text or chat")
             if which == "chat":
                 chat = request.chat
                 add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
