@@ -289,6 +289,7 @@ def test_wrong_type_names_the_parameter_not_pydantic_internals(server):
     ("chat/completions", {"n": True}, "n"),
     ("chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user"}]}, "messages"),   # no content
+    ("chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages"),   # no parts (QA: was 200)
 ])
 def test_wrong_json_types_are_400_not_coerced(server, route, extra, param):
     body = {"model": "smollm2", "max_tokens": 2, **({"prompt": "Hi"} if route == "completions" else

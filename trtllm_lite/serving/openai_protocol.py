@@ -167,7 +167,7 @@ class ChatCompletionRequest(_Sampling):
 
     def message_dicts(self) -> list[dict[str, str]]:
         for i, m in enumerate(self.messages):
-            if m.content is None and m.role != "assistant":
+            if (m.content is None or m.content == []) and m.role != "assistant":   # no parts: none either
                 raise ValueError(f"messages: message {i} (role {m.role!r}) has no content")
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
