@@ -194,13 +194,16 @@ def test_many_requests_on_one_stream_and_a_bad_one(triton, smollm2_llm):
             triton.async_stream_infer("ensemble", tensors(p, 8, stream=flag(i != 1), exclude_input_in_output=flag(True)),
                                       request_id=f"r{i}")
         triton.async_stream_infer("ensemble", tensors(temperature=np.array([[-1.0]], np.float32)), request_id="bad")
-        texts, errors = s.collect(["r0", "r1", "r2"], num_errors=1)
+        triton.async_stream_infer("ensemble", tensors(num_return_sequences=np.array([[0]], np.int32)),
+                                  request_id="bad2")
+        texts, errors = s.collect(["r0", "r1", "r2"], num_errors=2)
     finally:
         triton.stop_stream()
     for i, ref in enumerate(refs):
         assert "".join(texts[f"r{i}"]) == ref
     assert len(texts["r1"]) == 1                      # stream=false: one response
-    assert len(errors) == 1 and "temperature" in errors[0]
+    assert len(errors) == 2 and any("temperature" in e for e in errors)
+    assert any("'num_return_sequences'" in e for e in errors)   # the tensor sent, not SamplingParams' n
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -208,6 +211,12 @@ def test_many_requests_on_one_stream_and_a_bad_one(triton, smollm2_llm):
     (dict(stream=flag(True)), "ModelStreamInfer"),
     (dict(top_p=np.array([[1.5]], np.float32)), "top_p"),
     (dict(max_tokens=np.array([[2000]], np.int32)), "max_seq_len"),
+    # a sampling field's error names the tensor the client sent, not the SamplingParams field
+    (dict(num_return_sequences=np.array([[0]], np.int32)), "'num_return_sequences'"),
+    (dict(end_id=np.array([[-1]], np.int32)), "'end_id'"),
+    (dict(end_id=np.array([[10_000_000]], np.int32)), "'end_id'"),           # past the vocabulary, at generate
+    (dict(embedding_bias_words=np.array([["Paris"]], dtype=object),
+          embedding_bias_weights=np.array([[500.0]], np.float32)), "'embedding_bias_weights'"),
 ])
 def test_infer_errors_are_invalid_argument(triton, extra, message):
     inputs = tensors(**{k: v for k, v in extra.items() if k != "max_tokens"})

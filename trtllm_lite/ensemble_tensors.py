@@ -112,6 +112,25 @@ OUTPUTS: tuple[TensorSpec, ...] = (
 INPUTS_BY_NAME = {t.name: t for t in INPUTS}
 OUTPUTS_BY_NAME = {t.name: t for t in OUTPUTS}
 
+#: ``SamplingParams`` field -> the input tensor that sets it, to name in errors.
+PARAM_TENSORS: dict[str, str] = {
+    **{t.param: t.name for t in INPUTS if t.param is not None},
+    "stop_token_ids": "end_id", "logit_bias": "embedding_bias_weights", "logprobs": "return_log_probs",
+}
+
+
+def name_tensor_in_error(message: str) -> str:
+    """A validation message that starts with a ``SamplingParams`` field name (``"n must be an
+    integer >= 1, got 0"``), as ``SamplingParams`` and the engine word them, prefixed with the
+    tensor the client sent (``"input tensor 'num_return_sequences': n must be ..."``); other
+    messages unchanged."""
+    field_name = message.split(" ", 1)[0]
+    tensor = PARAM_TENSORS.get(field_name)
+    if tensor is None or " " not in message:
+        return message
+    return f"input tensor {tensor!r}: {message}"
+
+
 #: KServe v2 datatype -> Triton ``config.pbtxt`` data type.
 CONFIG_DATA_TYPE = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "INT32": "TYPE_INT32",
                     "INT64": "TYPE_INT64", "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32"}

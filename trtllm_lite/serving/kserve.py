@@ -203,7 +203,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         except NotFoundError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except Exception as e:  # noqa: BLE001 - every request error becomes a status
-            await context.abort(grpc.StatusCode[classify(e).name], str(e) or type(e).__name__)
+            await context.abort(grpc.StatusCode[classify(e).name], _message(e))
         results = acc.results()
         logprobs = _token_logprobs(results[0]) if ereq.return_log_probs else None
         return infer_response(request, self._outputs(ereq, acc, [s.text for s in results], logprobs))
@@ -247,7 +247,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                     await responses.put(kpb.ModelStreamInferResponse(infer_response=resp))
             except Exception as e:  # noqa: BLE001 - this request fails, the stream goes on
                 err = kpb.ModelInferResponse(model_name=request.model_name, id=request.id)
-                await responses.put(kpb.ModelStreamInferResponse(error_message=str(e) or type(e).__name__,
+                await responses.put(kpb.ModelStreamInferResponse(error_message=_message(e),
                                                                  infer_response=err))
             finally:
                 await responses.put(request_done)
@@ -277,6 +277,13 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+
+def _message(error: BaseException) -> str:
+    """A request error's text; a validation error of a sampling field names the tensor that
+    set it (``num_return_sequences``, not ``n``; ``end_id``, not ``stop_token_ids``)."""
+    message = str(error) or type(error).__name__
+    return et.name_tensor_in_error(message) if isinstance(error, (ValueError, TypeError)) else message
 
 
 def _token_logprobs(o) -> list[float]:
