@@ -271,6 +271,17 @@ def test_tokenize_of_text_longer_than_any_max_seq_len_tokens_is_refused_untokeni
     assert long["count"] > long["max_model_len"]
 
 
+def test_tokenize_with_both_prompt_and_messages_is_400_naming_both(server):
+    """vLLM's /tokenize takes a prompt or messages; both were answered with the messages' tokens
+    and the prompt silently dropped (QA)."""
+    r = httpx.post(f"http://{server.http}/tokenize", json={"prompt": "Hello", "messages": MESSAGES}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "prompt" in error["message"] and "messages" in error["message"]
+    assert httpx.post(f"http://{server.http}/tokenize", json={"prompt": "Hello", "messages": None},
+                      timeout=30).json()["count"] > 0
+
+
 def test_wrong_type_names_the_parameter_not_pydantic_internals(server):
     r = httpx.post(f"http://{server.http}/v1/completions", timeout=30,
                    json={"model": "smollm2", "prompt": "Hi", "stop": 5})

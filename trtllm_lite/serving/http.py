@@ -223,6 +223,8 @@ class OpenAIServer:
     async def tokenize(self, body: oa.TokenizeRequest):
         try:
             self._check_model(body.model)
+            if body.messages is not None and body.prompt is not None:
+                raise ValueError("prompt and messages: send one or the other, not both")
             if body.messages is not None:
                 ids = self.service.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages],
                                                body.add_generation_prompt)
