@@ -142,6 +142,12 @@ def test_client_leaving_a_non_streamed_request_frees_blocks(server, grpc_client)
     ({"prompt": "Hi", "top_p": 0}, 400, "top_p"),
     ({"prompt": [1] * 1500}, 400, None),                               # longer than max_seq_len
     ({"prompt": "Hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    # keys are canonical decimal token ids; int() took these (QA)
+    ({"prompt": "Hi", "logit_bias": {" 5": 1}}, 400, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"-0": 1}}, 400, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"+5": 1}}, 400, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"05": 1}}, 400, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"1_0": 1}}, 400, "logit_bias"),
     ({"prompt": "Hi", "model": "gpt-4"}, 404, None),
     ({}, 400, "prompt"),
 ])
@@ -155,6 +161,15 @@ def test_error_statuses(server, oai, body, status, param):
     if "prompt" in body and body["prompt"] == [1] * 1500:
         assert "1024" in err["message"]
     assert oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_logit_bias_by_decimal_token_id_steers_the_output(server, smollm2_llm):
+    token = smollm2_llm.tokenizer.encode(" banana")[0]
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+            "logit_bias": {str(token): 100, "0": 0}}
+    r = httpx.post(f"http://{server.http}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == smollm2_llm.tokenizer.decode([token])
 
 
 def test_chat_text_part_without_text_is_400(server):

@@ -6,6 +6,7 @@ servers tolerate the extras client libraries send; known ones are checked by
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,10 +61,12 @@ class _Sampling(BaseModel):
             raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
         bias = None
         if self.logit_bias:
-            try:
-                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError("logit_bias keys must be token ids (integers as strings)") from None
+            # canonical decimal only: int() also takes " 5", "-0", "+5", "0_5" and "٥"
+            key = next((k for k in self.logit_bias if not re.fullmatch(r"0|[1-9][0-9]*", k)), None)
+            if key is not None:
+                raise ValueError(f"logit_bias keys must be token ids as decimal digits (\"5\", no sign, "
+                                 f"space or leading zero), got {key!r}")
+            bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, stop=stop, seed=self.seed,
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
