@@ -72,8 +72,8 @@ class OrtOptions:
             otherwise stay held for the process's life; measured on SmolLM2 fp32 serving:
             peak RSS 2.9 GB instead of 3.7 GB with a 2 GiB KV pool. Shrinking after every run
             instead made the next run page its buffers in again: a 1,024-token prompt step
-            ~16% slower (~5% of the prompt phase of 64 random-length requests). Not with the
-            kernels' graphs (:func:`graph_files`): their attention allocates no scores.
+            ~16% slower (~5% of the prompt phase of 64 random-length requests). Not where
+            trtllm-lite's kernels are registered: their attention allocates no scores.
         enable_prepacking: let kernels repack constant weights at load (default on). Then
             ONNX Runtime reads ``weights.bin`` itself, keeps the packed weights (and the
             originals only where an unpacked reader needs them, e.g. the embedding Gather)
@@ -201,9 +201,10 @@ def uses_prepacking(engine: EngineDir, options: OrtOptions) -> bool:
 
 def create_sessions(engine: EngineDir, num_threads: int | None = None,
                     weights: dict[str, np.ndarray] | None = None, options: OrtOptions | None = None,
-                    kinds: tuple[str, ...] | None = None
+                    kinds: tuple[str, ...] | None = None, files: dict[str, str] | None = None
                     ) -> tuple[dict[str, ort.InferenceSession], dict[str, ort.OrtValue]]:
-    """Create the sessions (``kinds``, default both graphs) over one shared copy of the weights.
+    """Create the sessions (``kinds``, default both graphs) over one shared copy of the weights;
+    ``files``: ``kind -> graph file`` (default :func:`graph_files` for ``options``).
 
     Returns ``(sessions, ortvalues)``; keep ``ortvalues`` alive as long as the sessions.
     """
@@ -215,7 +216,8 @@ def create_sessions(engine: EngineDir, num_threads: int | None = None,
         weights = weights if weights is not None else load_weights(engine)
         values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in weights.items()}
     sessions = {}
-    for kind, file in graph_files(engine, options.accuracy_level, kernels_registered(options)).items():
+    files = files or graph_files(engine, options.accuracy_level, kernels_registered(options))
+    for kind, file in files.items():
         if kinds is not None and kind not in kinds:
             continue
         so = session_options(num_threads or options.intra_op_num_threads, prepacking,
@@ -252,15 +254,16 @@ class OnnxRuntimeRunner:
         self.kv_shape = (m["num_layers"], num_kv_blocks, b["block_size"], m["num_kv_heads"], m["head_dim"])
         self.key_cache = np.zeros(self.kv_shape, np.float32)
         self.value_cache = np.zeros(self.kv_shape, np.float32)
+        kernels = kernels_registered(self.options)
+        self.graph_files = graph_files(engine, self.options.accuracy_level, kernels)
         self.sessions, self._weight_values = create_sessions(
-            engine, num_threads, options=self.options, kinds=("prefill",) if self.single_session else None)
+            engine, num_threads, options=self.options, kinds=("prefill",) if self.single_session else None,
+            files=self.graph_files)
         self.num_heads = m["num_heads"]
         self._run_options = run_options()
-        self.graph_files = graph_files(engine, self.options.accuracy_level, kernels_registered(self.options))
         self._shrink_options = None     # run options that also shrink the arena, for large calls
-        # (the C++ PagedAttention kernel allocates no attention scores: nothing large to give back)
-        kernel_attention = self.graph_files != graph_files(engine, self.options.accuracy_level)
-        if self.options.enable_cpu_mem_arena and self.options.arena_shrinkage and not kernel_attention:
+        # (the C++ PagedAttention kernel, in whichever graph, allocates no attention scores)
+        if self.options.enable_cpu_mem_arena and self.options.arena_shrinkage and not kernels:
             self._shrink_options = run_options()
             self._shrink_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self.graph_time_s = 0.0     # seconds spent inside session runs (host overhead = the rest)
