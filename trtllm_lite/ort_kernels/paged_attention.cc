@@ -30,6 +30,7 @@
 // sequence's tokens x one KV head's query heads, keys 64 at a time with an online softmax
 // (attend_tile, below).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -500,7 +501,7 @@ struct PrefillStep {
   const int64_t *block_tables, *context_lens, *query_start_loc;
   float* output;
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, tile;
-  const int64_t* items;   // [num_items, 3]: sequence, KV head, first token of the tile
+  const int64_t* items;   // [num_items, 3]: sequence, KV head, first token of the tile (contiguous)
   float scale;
 };
 
@@ -893,26 +894,20 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   PrefillStep step{query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc, output,
                    H, Hkv, D, B, M, std::max<int64_t>(1, 128 / group), nullptr, scale};
   // work items (sequence, KV head, tile), the longest (latest tiles: the most keys) first
-  thread_local std::vector<int64_t> items;
+  thread_local std::vector<std::array<int64_t, 3>> items;
   items.clear();
   int64_t work = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
     for (int64_t j0 = 0; j0 < q_len; j0 += step.tile) {
       work += (context_lens[s] + std::min(q_len, j0 + step.tile)) * std::min(step.tile, q_len - j0);
-      for (int64_t h = 0; h < Hkv; ++h) items.insert(items.end(), {s, h, j0});
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({s, h, j0});
     }
   }
-  const int64_t num_items = static_cast<int64_t>(items.size()) / 3;
-  std::vector<int64_t> order(static_cast<size_t>(num_items));
-  for (int64_t i = 0; i < num_items; ++i) order[static_cast<size_t>(i)] = i;
-  auto keys = [&](int64_t i) { return context_lens[items[3 * i]] + items[3 * i + 2]; };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys(a) > keys(b); });
-  thread_local std::vector<int64_t> sorted;
-  sorted.resize(items.size());
-  for (int64_t i = 0; i < num_items; ++i)
-    std::copy_n(items.begin() + 3 * order[static_cast<size_t>(i)], 3, sorted.begin() + 3 * i);
-  step.items = sorted.data();
+  auto keys = [&](const std::array<int64_t, 3>& it) { return context_lens[it[0]] + it[2]; };
+  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return keys(a) > keys(b); });
+  step.items = items.front().data();
+  const int64_t num_items = static_cast<int64_t>(items.size());
   // one thread below kSerialWork multiply-adds (query-key pairs x heads x D x 2)
   return parallel_for(context, attend_prefill_item, static_cast<size_t>(num_items), &step,
                       work * H * D * 2 < kSerialWork);
