@@ -311,7 +311,7 @@ def test_cancelled_stream_frees_its_blocks_and_server_keeps_serving(server, smol
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=1.5), "top_p"),
     (dict(beam_width=2), "beam_width"),
-    (dict(num_return_sequences=0), "n must be"),
+    (dict(num_return_sequences=0), "input tensor 'num_return_sequences': n must be"),   # the tensor sent
     (dict(max_tokens=0), "max_tokens"),
     (dict(prompt=b"\xff\xfe not utf-8"), "UTF-8"),
     (dict(prompt="hello " * 300), "max_seq_len"),

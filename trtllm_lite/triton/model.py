@@ -40,7 +40,7 @@ import numpy as np
 
 from ..async_llm import AsyncLLM, EngineDeadError
 from ..core.llm_engine import LLMEngine
-from ..ensemble_tensors import EnsembleRequest, make_outputs, parse_inputs
+from ..ensemble_tensors import EnsembleRequest, make_outputs, name_tensor_in_error, parse_inputs
 from ..serving.params import make_sampling_params
 from .repository import ENGINE_OPTIONS, parse_option
 
@@ -210,8 +210,8 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 parsed, params = self._parse(request)
-            except (ValueError, TypeError) as e:
-                _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            except (ValueError, TypeError) as e:   # naming the tensor sent (as the KServe front end)
+                _send_error(sender, name_tensor_in_error(str(e)), pb_utils.TritonError.INVALID_ARG)
                 continue
             except Exception as e:  # noqa: BLE001 - fail this request, not the batch
                 _send_error(sender, f"internal error: {e!r}", pb_utils.TritonError.INTERNAL)
@@ -240,7 +240,7 @@ class TritonPythonModel:
         except asyncio.CancelledError:  # the client cancelled: the generator's exit aborted the request
             _send_error(sender, "request cancelled", pb_utils.TritonError.CANCELLED)
         except (ValueError, TypeError) as e:
-            _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+            _send_error(sender, name_tensor_in_error(str(e)), pb_utils.TritonError.INVALID_ARG)
         except OverflowError as e:
             _send_error(sender, f"server busy: {e}", pb_utils.TritonError.UNAVAILABLE)
         except EngineDeadError as e:
