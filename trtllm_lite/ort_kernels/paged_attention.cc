@@ -63,8 +63,9 @@ struct DecodeStep {
 // The pool rows of sequence s from KV head h on, block by block, for cached positions
 // [begin, end) (begin a multiple of the block size): fn(row pointer, first position, rows) for
 // each block, the next block prefetched.
-template <typename Fn>
-inline void for_each_block(const DecodeStep& st, int64_t s, int64_t h, const float* pool, int64_t begin,
+// (Step: DecodeStep or PrefillStep, below: their block table and pool sizes.)
+template <typename Step, typename Fn>
+inline void for_each_block(const Step& st, int64_t s, int64_t h, const float* pool, int64_t begin,
                            int64_t end, Fn fn) {
   const int64_t bs = st.block_size, hkv = st.num_kv_heads, d = st.head_dim;
   const int64_t* table = st.block_tables + s * st.max_blocks;
@@ -688,7 +689,7 @@ void attend_chunk_v8(const TileState& t, const KeyChunk& c) {
 template <int DT>
 void attend_tile(const PrefillStep& st, int64_t s, int64_t h, int64_t j0) {
   const int64_t d = DT ? DT : st.head_dim;
-  const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, stride = hkv * d, bs = st.block_size;
+  const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, stride = hkv * d;
   const int64_t q0 = st.query_start_loc[s], q_len = st.query_start_loc[s + 1] - q0, ctx = st.context_lens[s];
   const int64_t j1 = std::min(q_len, j0 + st.tile), rows = (j1 - j0) * group;
   thread_local std::vector<float> buffer;
@@ -722,16 +723,10 @@ void attend_tile(const PrefillStep& st, int64_t s, int64_t h, int64_t j0) {
       if (chunk.count % kSegmentKeys != 0 || chunk.count == kChunkKeys) flush();   // a short segment ends a chunk
     }
   };
-  const int64_t* table = st.block_tables + s * st.max_blocks;
-  const int64_t block_floats = bs * stride;
-  for (int64_t start = 0; start < ctx; start += bs) {   // cached positions, block by block
-    if (start + bs < ctx) {   // blocks lie anywhere in the pool: fetch the next one's keys ahead
-      const char* next = reinterpret_cast<const char*>(st.key_cache + table[start / bs + 1] * block_floats + h * d);
-      for (int64_t row = 0; row < bs; ++row) __builtin_prefetch(next + row * stride * 4);
-    }
-    const int64_t base = table[start / bs] * block_floats + h * d;
-    add(st.key_cache + base, st.value_cache + base, std::min(bs, ctx - start));
-  }
+  // cached positions, block by block (the values' rows lie where the keys' do in their pool)
+  for_each_block(st, s, h, st.key_cache, 0, ctx, [&](const float* k, int64_t, int64_t rows) {
+    add(k, st.value_cache + (k - st.key_cache), rows);
+  });
   flush();
   const int64_t base = (q0 * hkv + h) * d;   // the step's tokens up to the tile's last, causal
   for (int64_t i0 = 0; i0 < j1; i0 += kChunkKeys) {
