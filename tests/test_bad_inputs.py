@@ -209,3 +209,18 @@ def test_bad_cache_salt_names_it(smollm2_llm, salt, error):
         smollm2_llm.generate("Hi", SamplingParams(max_tokens=1), cache_salt=salt)
     with pytest.raises(error, match="cache_salt"):
         smollm2_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), cache_salt=salt)
+
+
+def test_bad_words_longer_than_max_seq_len_tokens_can_cover_are_refused_untokenized(smollm2_llm):
+    """Bad words are tokenized where the request is made (a server's event loop): more
+    characters in all than max_seq_len tokens can cover are refused before tokenizing, as a
+    prompt is (2 MB of bad words held the loop ~5 s, every stream and health check with it)."""
+    engine = smollm2_llm.engine
+    limit = engine.scheduler_config.max_seq_len * engine.tokenizer.max_chars_per_token
+    words = ["x" * (limit // 2), "y" * (limit // 2 + 1)]   # each fits alone; together they do not
+    with pytest.raises(ValueError, match=r"^bad_words have \d+ characters in all"):
+        engine.make_request("Hi", SamplingParams(max_tokens=2, bad_words=words))
+    with pytest.raises(ValueError, match="^bad_words is not valid Unicode"):   # it named the prompt
+        engine.make_request("Hi", SamplingParams(max_tokens=2, bad_words=["ok\ud800"]))
+    out = smollm2_llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0, bad_words=["x" * 100]))
+    assert out[0].outputs[0].finish_reason == "length"

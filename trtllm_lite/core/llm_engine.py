@@ -251,15 +251,26 @@ class LLMEngine:
         return request
 
     def _bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """Token sequences of each bad word, with and without a leading space (as vLLM)."""
+        """Token sequences of each bad word, with and without a leading space (as vLLM).
+
+        Bad words with more characters in all than ``max_seq_len`` tokens can cover are
+        refused before they are tokenized, as a prompt is: tokenizing runs where the request
+        is made (a server's event loop), and 2 MB of bad words held it ~5 s.
+        """
         if not words:
             return ()
         if self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this engine has none")
+        limit = self.scheduler_config.max_seq_len
+        per_token = getattr(self.tokenizer, "max_chars_per_token", None)
+        total = sum(len(w) for w in words)
+        if per_token is not None and total > limit * per_token:
+            raise ValueError(f"bad_words have {total} characters in all: more than {limit} tokens can "
+                             f"hold (at most {per_token} characters a token)")
         seqs = set()
         for word in words:
             for variant in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                ids = self.tokenizer.encode(variant, add_special_tokens=False, name="bad_words")
                 if ids:
                     seqs.add(tuple(ids))
         return tuple(sorted(seqs))
