@@ -262,9 +262,9 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this engine has none")
         limit = self.scheduler_config.max_seq_len
-        per_token = getattr(self.tokenizer, "max_chars_per_token", None)
+        per_token = self.tokenizer.max_chars_per_token
         total = sum(len(w) for w in words)
-        if per_token is not None and total > limit * per_token:
+        if total > limit * per_token:
             raise ValueError(f"bad_words have {total} characters in all: more than {limit} tokens can "
                              f"hold (at most {per_token} characters a token)")
         seqs = set()
