@@ -228,6 +228,33 @@ def test_infer_errors_are_invalid_argument(triton, extra, message):
     assert triton.infer("ensemble", tensors(max_tokens=2)).as_numpy("text_output") is not None
 
 
+def test_embedding_bias_words_beyond_what_max_seq_len_tokens_cover_are_refused_untokenized(triton, smollm2_llm,
+                                                                                           reference):
+    """embedding_bias_words are tokenized where the request is parsed, on the event loop every
+    front end shares: more characters in all than max_seq_len tokens can cover are refused
+    before tokenizing, naming the tensor, as bad_words are (QA: a huge value was tokenized
+    whole, every stream and /health held meanwhile). Within the bound they still work."""
+    engine = smollm2_llm.engine
+    limit = engine.scheduler_config.max_seq_len * engine.tokenizer.max_chars_per_token
+    words = np.array([["x" * (limit // 2), "y" * (limit // 2 + 1)]], dtype=object)   # each fits alone
+    bias = dict(embedding_bias_words=words, embedding_bias_weights=np.array([[0.0, 0.0]], np.float32))
+    expected = f"embedding_bias_words have {limit + 1} characters in all: more than 1024 tokens can hold"
+    with pytest.raises(InferenceServerException) as e:
+        triton.infer("ensemble", tensors(**bias))
+    assert "INVALID_ARGUMENT" in str(e.value.status()) and expected in e.value.message()
+    s = Stream(triton)
+    try:
+        triton.async_stream_infer("ensemble", tensors(stream=flag(True), **bias), request_id="huge-bias")
+        _, errors = s.collect([], num_errors=1)
+    finally:
+        triton.stop_stream()
+    assert expected in errors[0]
+    fits = dict(embedding_bias_words=np.array([["x" * 100]], dtype=object),
+                embedding_bias_weights=np.array([[0.0]], np.float32))
+    r = triton.infer("ensemble", tensors(exclude_input_in_output=flag(True), **fits))
+    assert r.as_numpy("text_output").reshape(-1)[0].decode() == reference.text
+
+
 def test_stream_cancel_frees_blocks(server, triton):
     from trtllm_lite.serving.client import LLMClient
     from trtllm_lite.serving.process import wait_until

@@ -199,8 +199,8 @@ class EnsembleRequest:
     cache_salt: str | None = None
 
 
-def parse_inputs(inputs: Mapping[str, np.ndarray],
-                 encode: Callable[[str], list[int]] | None = None) -> EnsembleRequest:
+def parse_inputs(inputs: Mapping[str, np.ndarray], encode: Callable[[str], list[int]] | None = None,
+                 check_words: Callable[[list[str], str], None] | None = None) -> EnsembleRequest:
     """Read an ensemble request from named numpy arrays.
 
     Args:
@@ -208,6 +208,9 @@ def parse_inputs(inputs: Mapping[str, np.ndarray],
             ``str``); every scalar tensor holds exactly one element (shape ``[1]`` or ``[1, 1]``).
         encode: text -> token ids without special tokens; needed only for
             ``embedding_bias_words`` (each word's tokens get its weight, as TensorRT-LLM does).
+        check_words: ``(words, tensor name)``, called before ``encode`` tokenizes a tensor's
+            words; raises ``ValueError`` to refuse them unread (a server bounds their length:
+            ``LLMEngine.check_words_length``).
 
     Returns:
         The request; ``sampling`` maps to ``SamplingParams`` (``stop_words`` -> ``stop``,
@@ -217,8 +220,9 @@ def parse_inputs(inputs: Mapping[str, np.ndarray],
 
     Raises:
         ValueError: an unknown tensor, a missing required one, a batch of more than one,
-            a value of the wrong kind (e.g. a float ``max_tokens``), ``beam_width`` != 1, or
-            text that is not UTF-8. The message names the tensor.
+            a value of the wrong kind (e.g. a float ``max_tokens``), ``beam_width`` != 1,
+            text that is not UTF-8, or words ``check_words`` refuses. The message names the
+            tensor.
     """
     unknown = sorted(set(inputs) - set(INPUTS_BY_NAME))
     if unknown:
@@ -253,7 +257,7 @@ def parse_inputs(inputs: Mapping[str, np.ndarray],
     if req.return_log_probs:
         s["logprobs"] = 1
     if "embedding_bias_words" in inputs or "embedding_bias_weights" in inputs:
-        s["logit_bias"] = _logit_bias(inputs, encode)
+        s["logit_bias"] = _logit_bias(inputs, encode, check_words)
     return req
 
 
@@ -306,7 +310,7 @@ def _float(name: str, array) -> float:
     return float(v)
 
 
-def _logit_bias(inputs, encode) -> dict[int, float]:
+def _logit_bias(inputs, encode, check_words) -> dict[int, float]:
     if "embedding_bias_words" not in inputs or "embedding_bias_weights" not in inputs:
         raise ValueError("embedding_bias_words and embedding_bias_weights must be sent together")
     words = [_text(w, "embedding_bias_words") for w in _batch_one("embedding_bias_words",
@@ -317,6 +321,8 @@ def _logit_bias(inputs, encode) -> dict[int, float]:
                          f"{len(weights)} weights")
     if words and encode is None:
         raise ValueError("embedding_bias_words needs the engine's tokenizer")
+    if check_words is not None:
+        check_words(words, "embedding_bias_words")
     bias: dict[int, float] = {}
     for word, weight in zip(words, weights.tolist()):
         for token in encode(word) if word else []:

@@ -250,6 +250,22 @@ class LLMEngine:
         self.scheduler.check_fits(request.seqs[0])
         return request
 
+    def check_words_length(self, words: list[str], name: str) -> None:
+        """Refuse words a request asks to tokenize beside its prompt (``bad_words``, KServe's
+        ``embedding_bias_words``) that have more characters in all than ``max_seq_len`` tokens
+        can cover, before any is tokenized, as an over-long prompt is: tokenizing runs where the
+        request is made (a server's event loop), and 2 MB of bad words held it ~5 s.
+
+        Raises:
+            ValueError: naming ``name``, the characters sent and the limit.
+        """
+        limit = self.scheduler_config.max_seq_len
+        per_token = self.tokenizer.max_chars_per_token
+        total = sum(len(w) for w in words)
+        if total > limit * per_token:
+            raise ValueError(f"{name} have {total} characters in all: more than {limit} tokens can "
+                             f"hold (at most {per_token} characters a token)")
+
     def _bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Token sequences of each bad word, with and without a leading space (as vLLM).
 
@@ -261,12 +277,7 @@ class LLMEngine:
             return ()
         if self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this engine has none")
-        limit = self.scheduler_config.max_seq_len
-        per_token = self.tokenizer.max_chars_per_token
-        total = sum(len(w) for w in words)
-        if total > limit * per_token:
-            raise ValueError(f"bad_words have {total} characters in all: more than {limit} tokens can "
-                             f"hold (at most {per_token} characters a token)")
+        self.check_words_length(words, "bad_words")
         seqs = set()
         for word in words:
             for variant in (word.lstrip(), " " + word.lstrip()):

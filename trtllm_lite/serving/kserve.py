@@ -184,7 +184,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             raise ValueError(f"unknown output tensor {unknown[0]!r}")
         tok = self.service.llm.tokenizer
         ereq = et.parse_inputs(input_arrays(request),
-                               encode=(lambda s: tok.encode(s, add_special_tokens=False)) if tok else None)
+                               encode=(lambda s: tok.encode(s, add_special_tokens=False)) if tok else None,
+                               check_words=self.service.llm.engine.check_words_length)
         return ereq, self.service.sampling_params(ereq.sampling)
 
     def _outputs(self, ereq, acc: Accumulator, texts, token_logprobs=None):
