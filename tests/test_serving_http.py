@@ -183,14 +183,60 @@ def test_chat_text_part_without_text_is_400(server):
 @pytest.mark.parametrize("route, body, param", [
     ("completions", {"prompt": "Hi \ud800 there"}, "prompt"),                 # JSON's lone surrogate
     ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("completions", {"prompt": "Hi", "bad_words": ["ok", "no\ud800"]}, "bad_words"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "bad_words": ["\udc00"]}, "bad_words"),
 ])
 def test_text_that_is_not_unicode_is_400_naming_it(server, oai, route, body, param):
     raw = ('{"model": "smollm2", "max_tokens": 2, ' + json.dumps(body)[1:]).encode()   # keeps the \ud800 escape
-    assert b"\\ud800" in raw
+    assert re.search(rb"\\ud[89a-f]", raw)   # the escape JSON allows, decoded by the server
     r = httpx.post(f"http://{server.http}/v1/{route}", content=raw, timeout=30, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert "not valid Unicode" in r.json()["error"]["message"]
     assert oai.completions.create(model="smollm2", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_bad_words_are_never_generated_as_over_grpc(oai, smollm2_llm):
+    """vLLM's OpenAI server takes ``bad_words`` (a list of strings), as our gRPC API does; HTTP
+    dropped the field silently and generated the word anyway (QA)."""
+    free = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0].text
+    ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0,
+                                                      bad_words=["Paris"]))[0].outputs[0].text
+    assert "Paris" in free and "Paris" not in ref
+    got = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0,
+                                 extra_body={"bad_words": ["Paris"]})
+    assert got.choices[0].text == ref
+    chat_free = smollm2_llm.chat(MESSAGES, SamplingParams(max_tokens=20, temperature=0.0))[0].outputs[0].text
+    chat_ref = smollm2_llm.chat(MESSAGES, SamplingParams(max_tokens=20, temperature=0.0,
+                                                         bad_words=["Paris"]))[0].outputs[0].text
+    assert "Paris" in chat_free and "Paris" not in chat_ref
+    chat = oai.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=20, temperature=0,
+                                       extra_body={"bad_words": ["Paris"]})
+    assert chat.choices[0].message.content == chat_ref
+
+
+def bad_words_over_the_limit(llm) -> list[str]:
+    """Bad words with more characters in all than max_seq_len tokens can cover (each alone fits)."""
+    limit = llm.engine.scheduler_config.max_seq_len * llm.engine.tokenizer.max_chars_per_token
+    return ["x" * (limit // 2), "y" * (limit // 2 + 1)]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+@pytest.mark.parametrize("bad_words, message", [
+    ("Paris", "bad_words: "),                       # a string, not a list of strings
+    ([5], "bad_words.0: "),
+    ([["Paris"]], "bad_words.0: "),
+    ([""], "bad_words must be non-empty strings"),
+    ("over the limit", "bad_words have "),           # refused before it is tokenized, as over gRPC
+])
+def test_bad_bad_words_are_400_naming_them(server, smollm2_llm, route, bad_words, message):
+    if bad_words == "over the limit":
+        bad_words = bad_words_over_the_limit(smollm2_llm)
+    body = {"model": "smollm2", "max_tokens": 2, "bad_words": bad_words,
+            **({"prompt": "Hi"} if route == "completions" else {"messages": [{"role": "user", "content": "Hi"}]})}
+    r = httpx.post(f"http://{server.http}/v1/{route}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "bad_words" and error["message"].startswith(message), error
 
 
 @pytest.mark.parametrize("prompt", [[1, "a"], 5, [1.5], {"a": 1}])

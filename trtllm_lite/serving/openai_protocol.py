@@ -50,6 +50,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # never generated; bounded and checked as gRPC's (the engine's)
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None
@@ -72,7 +73,7 @@ class _Sampling(BaseModel):
                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     logit_bias=bias, top_k=self.top_k, min_p=self.min_p,
                     repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
-                    min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+                    min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,
                     include_stop_str_in_output=self.include_stop_str_in_output,
                     skip_special_tokens=self.skip_special_tokens, prompt_logprobs=self.prompt_logprobs)
 
