@@ -257,6 +257,21 @@ def test_tokenize_of_text_longer_than_any_max_seq_len_tokens_is_refused_untokeni
     assert len(client.tokenize("hello world " * 1500)) > client.model_info().max_seq_len
 
 
+def test_detokenize_of_more_ids_than_max_seq_len_is_refused_undecoded(client, smollm2_llm):
+    """Detokenize takes at most max_seq_len ids, the longest sequence the engine holds: decoding
+    holds the GIL on the event loop every stream shares (3M ids stalled them all 2.7 s; QA), so
+    a longer list is INVALID_ARGUMENT naming token_ids before it is read; max_seq_len ids decode."""
+    with pytest.raises(grpc.RpcError) as e:
+        client.detokenize([11] * 1_000_000)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids has 1000000 token ids, more than max_seq_len 1024" in e.value.details()
+    ids = smollm2_llm.tokenizer.encode("hello world " * 600)[:1024]
+    assert len(ids) == 1024 and client.detokenize(ids) == smollm2_llm.tokenizer.decode(ids)
+    with pytest.raises(grpc.RpcError) as e:
+        client.detokenize([1, 10 ** 6])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids: 1000000 is outside" in e.value.details()
+
+
 def test_tokenize_without_input_is_invalid_argument(client):
     """A TokenizeRequest with neither text nor chat is INVALID_ARGUMENT (it answered an empty
     token list; Generate without a prompt and HTTP /tokenize without one are refused; QA); an

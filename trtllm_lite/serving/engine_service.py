@@ -10,7 +10,7 @@ import math
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 from ..async_llm import (AsyncLLM, EngineDeadError, EngineStepError, QueueFullError,
                          RequestTimeoutError, ShuttingDownError)
@@ -141,6 +141,20 @@ class EngineService:
         other request stalled). Raises ``ValueError`` naming the prompt."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens,
                                      max_tokens=self.llm.engine.scheduler_config.max_seq_len)
+
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = True, name: str = "token_ids") -> str:
+        """Text of token ids for the detokenize routes. At most ``max_seq_len`` ids, the longest
+        sequence the engine holds, are decoded: decoding holds the GIL on the event loop all front
+        ends share (3M ids stalled every stream 2.7 s), so a longer list is refused before it is
+        read. Raises ``ValueError`` naming ``name`` for that and for an id outside the vocabulary."""
+        limit = self.llm.engine.scheduler_config.max_seq_len
+        if len(ids) > limit:
+            raise ValueError(f"{name} has {len(ids)} token ids, more than max_seq_len {limit}")
+        vocab = self.llm.engine.model_config["vocab_size"]
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name}: {bad[0]} is outside the vocabulary [0, {vocab})")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def chat_prompt(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (as

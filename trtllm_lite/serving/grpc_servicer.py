@@ -160,12 +160,8 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
         try:
-            vocab = self.service.llm.engine.model_config["vocab_size"]
-            bad = [t for t in request.token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
             skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-            text = self.service.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+            text = self.service.detokenize(request.token_ids, skip)
         except Exception as e:  # noqa: BLE001
             await self._fail(context, e)
         return pb.DetokenizeResponse(text=text)
