@@ -199,6 +199,18 @@ def test_bad_requests_are_invalid_argument(client, kwargs, field):
     assert field in e.value.details()
 
 
+def test_seed_error_gives_the_int64_fields_range(client):
+    """The proto's seed is an int64: a negative one is INVALID_ARGUMENT naming seed and the
+    range a gRPC client can send, [0, 2**63) (it said uint64 and [0, 2**64); QA); the top of
+    that range is a valid seed."""
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete("Hi", max_tokens=1, seed=-3)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("seed must be an integer in [0, 2**63)") and "uint64" not in e.value.details()
+    assert "int64" in e.value.details() and e.value.details().endswith("got -3")
+    assert client.complete("Hi", max_tokens=1, seed=2 ** 63 - 1).finished
+
+
 def test_missing_prompt_is_invalid_argument(client):
     from trtllm_lite.serving.protos import llm_service_pb2 as pb
 

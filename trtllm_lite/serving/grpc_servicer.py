@@ -30,6 +30,21 @@ def sampling_values(msg: pb.SamplingParams) -> dict:
     return values
 
 
+def check_seed(values: dict) -> dict:
+    """``values`` (from :func:`sampling_values`), with a negative ``seed`` refused in the terms
+    of our proto: its ``seed`` is an int64, so of the seeds ``SamplingParams`` takes, [0, 2**64),
+    a gRPC client can send [0, 2**63); ``SamplingParams``' own message would name uint64.
+
+    Raises:
+        ValueError: ``seed`` is negative (the message names it and that range).
+    """
+    seed = values.get("seed")
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed must be an integer in [0, 2**63) (the non-negative values of the int64 field), "
+                         f"got {seed}")
+    return values
+
+
 def sampling_message(**values) -> pb.SamplingParams:
     """A ``SamplingParams`` message from vLLM-named keyword arguments (None: unset).
 
@@ -102,7 +117,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
             prompt = self._prompt(request)
-            params = self.service.sampling_params(sampling_values(request.sampling_params))
+            params = self.service.sampling_params(check_seed(sampling_values(request.sampling_params)))
         except Exception as e:  # noqa: BLE001 - every request error becomes a status
             await self._fail(context, e, record=True)
         rid = request.request_id or uuid.uuid4().hex
@@ -168,4 +183,4 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LLMService"].full_name
-__all__ = ["LLMServicer", "SERVICE_NAME", "sampling_message", "sampling_values", "ErrorKind"]
+__all__ = ["LLMServicer", "SERVICE_NAME", "check_seed", "sampling_message", "sampling_values", "ErrorKind"]
