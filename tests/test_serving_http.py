@@ -272,6 +272,28 @@ def test_chat_bad_max_tokens_is_400_even_beside_a_good_max_completion_tokens(ser
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_completions_null_max_tokens_runs_to_max_model_len_and_absent_is_16(server, smollm2_llm):
+    """As vLLM: a null ``max_tokens`` on /v1/completions is what is left of max_model_len (1024)
+    after each prompt of the batch (it ran with the default of 16; QA); an absent one is 16,
+    OpenAI's legacy default and vLLM's."""
+    sentence = "The quick brown fox jumps over the lazy dog. "
+    texts = [sentence * 101, sentence * 100]
+    lengths = [len(smollm2_llm.tokenizer.encode(t)) for t in texts]
+    assert 1024 - 16 < lengths[0] < 1024 and lengths[1] < lengths[0]   # the first: less room than 16
+    ids = smollm2_llm.tokenizer.encode("Paged attention keeps the cache in blocks. " * 120)[:1000]
+    url = f"http://{server.http}/v1/completions"
+    body = {"model": "smollm2", "ignore_eos": True, "temperature": 0, "logprobs": 0}
+    r = httpx.post(url, json={**body, "prompt": texts, "max_tokens": None}, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [1024 - n for n in lengths]
+    assert [c["finish_reason"] for c in choices] == ["length", "length"]
+    r = httpx.post(url, json={**body, "prompt": ids, "max_tokens": None}, timeout=120)
+    assert r.json()["usage"]["completion_tokens"] == 1024 - 1000, r.text
+    absent = httpx.post(url, json={**body, "prompt": ids}, timeout=120).json()
+    assert absent["usage"]["completion_tokens"] == 16
+
+
 def test_bad_json_is_400(server):
     r = httpx.post(f"http://{server.http}/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})

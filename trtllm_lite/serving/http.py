@@ -248,10 +248,12 @@ class OpenAIServer:
             return error_response(e)
 
     # -- generation -----------------------------------------------------------------------
-    async def _start(self, prompts: list, params, rid: str, cache_salt: str | None):
-        """Start one request per prompt and wait for each one's first delta, so that bad
-        input, a full queue or a shutdown is an HTTP error before any byte is streamed."""
-        gens = [self.service.generate(p, params, f"{rid}-{i}", cache_salt=cache_salt) for i, p in enumerate(prompts)]
+    async def _start(self, prompts: list, params: list, rid: str, cache_salt: str | None):
+        """Start one request per prompt (``params[i]`` for ``prompts[i]``) and wait for each
+        one's first delta, so that bad input, a full queue or a shutdown is an HTTP error before
+        any byte is streamed."""
+        gens = [self.service.generate(p, params[i], f"{rid}-{i}", cache_salt=cache_salt)
+                for i, p in enumerate(prompts)]
         tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
         try:
             firsts = await asyncio.gather(*tasks)
@@ -264,17 +266,18 @@ class OpenAIServer:
             raise
         return gens, firsts
 
-    async def _run(self, request: Request, body, prompts: list, params, kind: str, prompt_texts: list):
+    async def _run(self, request: Request, body, prompts: list, params: list, kind: str, prompt_texts: list):
+        """Serve ``prompts`` (one ``SamplingParams`` each, in ``params``) as one response."""
         rid = ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        fmt = ResponseFormat(self.service, body, kind, rid, created, params.n, prompt_texts)
+        fmt = ResponseFormat(self.service, body, kind, rid, created, params[0].n, prompt_texts)
         if body.stream:
             gens, firsts = await self._start(prompts, params, rid, body.cache_salt)
             return StreamingResponse(fmt.stream(gens, firsts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
         async def run_all():
-            tasks = [asyncio.ensure_future(self.service.generate_all(p, params, f"{rid}-{i}",
+            tasks = [asyncio.ensure_future(self.service.generate_all(p, params[i], f"{rid}-{i}",
                                                                       cache_salt=body.cache_salt))
                      for i, p in enumerate(prompts)]
             try:
@@ -299,9 +302,13 @@ class OpenAIServer:
         try:
             self._check_model(body.model)
             prompts = body.prompts()
-            params = self.service.sampling_params(body.sampling_values())
             texts = [p if isinstance(p, str) else self.service.tokenizer.decode(p) for p in prompts] \
                 if body.echo else None
+            rooms = [None] * len(prompts)
+            if body.max_tokens is None:   # a null max_tokens: what is left after each prompt (vLLM)
+                prompts = [self.service.tokenize_text(p) if isinstance(p, str) else p for p in prompts]
+                rooms = [self.service.llm.engine.max_model_len - len(p) for p in prompts]
+            params = [self.service.sampling_params(body.sampling_values(room)) for room in rooms]
         except Exception as e:  # noqa: BLE001
             return self._rejected(e)
         try:   # errors from here on are counted where the engine raises them (engine_service)
@@ -321,7 +328,7 @@ class OpenAIServer:
         except Exception as e:  # noqa: BLE001
             return self._rejected(e)
         try:
-            return await self._run(request, body, [ids], params, "chat", None)
+            return await self._run(request, body, [ids], [params], "chat", None)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
 

@@ -86,7 +86,7 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16   # absent: 16 (OpenAI's legacy default); null: see sampling_values
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -100,10 +100,19 @@ class CompletionRequest(_Sampling):
             raise ValueError("prompt is empty")
         return list(p)
 
-    def sampling_values(self) -> dict[str, Any]:
+    def sampling_values(self, room: int | None = None) -> dict[str, Any]:
+        """Sampling values for one prompt. ``max_tokens`` absent is 16 (OpenAI's legacy
+        default, and vLLM's); sent as null it is ``room``, the tokens left in ``max_model_len``
+        after this prompt (at least 1; whether the prompt leaves room is the engine's check), as
+        vLLM does.
+
+        Raises:
+            ValueError: a field is unsupported or out of range (the message names it).
+        """
         if self.suffix:
             raise ValueError("suffix is not supported")
-        return dict(self.common_values(), max_tokens=self.max_tokens, logprobs=self.logprobs)
+        max_tokens = self.max_tokens if self.max_tokens is not None or room is None else max(room, 1)
+        return dict(self.common_values(), max_tokens=max_tokens, logprobs=self.logprobs)
 
 
 class ContentPart(BaseModel):
