@@ -246,6 +246,30 @@ def test_deadline_exceeded_aborts_request(client):
     assert client.complete("Hi", max_tokens=3).outputs[0].finish_reason in ("stop", "length")
 
 
+def outcomes(server) -> dict[str, float]:
+    """``trtllm_lite_request_outcomes_total`` by outcome, as the server's /metrics has it now."""
+    prefix = 'trtllm_lite_request_outcomes_total{outcome="'
+    with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {line[len(prefix):line.index('"}')]: float(line.rsplit(" ", 1)[1]) for line in lines
+            if line.startswith(prefix)}
+
+
+def test_deadline_exceeded_is_counted_as_such_not_as_cancelled(server, client):
+    """A call whose deadline passes counts under outcome deadline_exceeded. gRPC cancels the
+    handler at the deadline just as the request's own timer fires; whichever came first
+    decided the count, and it was mostly cancelled (7 of 10; QA)."""
+    before = outcomes(server)
+    for timeout in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
+        with pytest.raises(grpc.RpcError) as e:
+            client.complete("Write a poem.", max_tokens=400, ignore_eos=True, timeout=timeout)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    delta = lambda name: outcomes(server).get(name, 0) - before.get(name, 0)  # noqa: E731
+    assert wait_until(lambda: delta("deadline_exceeded") + delta("cancelled") >= 6, timeout=10)
+    assert (delta("deadline_exceeded"), delta("cancelled")) == (6, 0)
+    assert wait_until(lambda: idle_blocks(client), timeout=10)
+
+
 # -- model info, tokenizer, health, reflection, metrics ----------------------------------------
 def test_model_info_and_tokenizer(client, smollm2_llm):
     info = client.model_info()

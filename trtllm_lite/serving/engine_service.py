@@ -20,6 +20,10 @@ from .metrics import Metrics
 from .params import make_sampling_params
 
 
+#: Seconds before a request's deadline from which a cancellation counts as the deadline's.
+_DEADLINE_SLACK = 0.005
+
+
 class ErrorKind(enum.Enum):
     """A request's failure, named as gRPC status codes name it; ``http`` is the HTTP status."""
 
@@ -177,14 +181,18 @@ class EngineService:
                        ) -> AsyncIterator[RequestOutput]:
         """``AsyncLLM.generate`` with metrics; same deltas, same exceptions.
 
-        Close it (``contextlib.aclosing``) or cancel its consumer to abort the request.
+        Close it (``contextlib.aclosing``) or cancel its consumer to abort the request. A
+        cancellation once the deadline has passed counts as ``deadline_exceeded``, not
+        ``cancelled``: gRPC cancels the handler at the client's deadline just as the request's
+        own timer fires, and which one comes first is chance.
         """
         outcome = "internal"
         last_token_time = None
         acc = Accumulator()
+        limit = self.timeout(timeout)
+        deadline = None if limit is None else time.monotonic() + limit
         try:
-            gen = self.llm.generate(prompt, params, request_id, timeout=self.timeout(timeout),
-                                    cache_salt=cache_salt)
+            gen = self.llm.generate(prompt, params, request_id, timeout=limit, cache_salt=cache_salt)
             async with aclosing(gen):
                 async for out in gen:
                     now = time.monotonic()
@@ -198,7 +206,9 @@ class EngineService:
                         self.metrics.record_finished(acc)
                     yield out
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            # the caller read its deadline (as time remaining) a moment before ``deadline`` was set
+            past_deadline = deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK
+            outcome = "deadline_exceeded" if past_deadline else "cancelled"
             raise
         except BaseException as e:
             outcome = classify(e).name.lower()

@@ -2,7 +2,8 @@
 
 Per request (recorded by ``EngineService`` as deltas pass): histograms of TTFT, TPOT,
 ITL, E2E latency and queue time (seconds), prompt and generation token counters, and
-outcomes (finish reason, or the error class / ``cancelled``). Engine state (running and
+outcomes (finish reason, or the error class; ``deadline_exceeded`` also when gRPC cancels a
+call at its deadline, ``cancelled`` when the client cancels before). Engine state (running and
 waiting requests, KV cache usage, preemptions) is read from ``AsyncLLM.stats()`` at each
 scrape, so nothing polls. Buckets follow vLLM's.
 """
