@@ -100,6 +100,51 @@ def test_stop_string_logprobs_and_max_tokens_1(oai, smollm2_llm):
     assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
 
 
+def completion_logprobs(choices) -> dict:
+    """One choice's ``logprobs`` lists joined over its streamed pieces."""
+    joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in choices:
+        for key in joined:
+            joined[key] += c["logprobs"][key] if c["logprobs"] else []
+    return joined
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_first(server, smollm2_llm):
+    """/v1/completions with ``echo`` and ``logprobs: N`` lists the prompt's tokens first, with
+    their logprobs (the first token's null, as vLLM), then the generated ones; they were left
+    out (QA). Reference: the engine's own prompt_logprobs through ``LLM.generate``; streamed
+    pieces joined equal the whole answer, text offsets running on across pieces."""
+    prompts = [PROMPT, "def fibonacci(n):"]
+    tok = smollm2_llm.tokenizer
+    refs = smollm2_llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, prompt_logprobs=2))
+    body = {"model": "smollm2", "prompt": prompts, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    url = f"http://{server.http}/v1/completions"
+    whole = httpx.post(url, json=body, timeout=120).json()["choices"]
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    for i, (ref, choice) in enumerate(zip(refs, whole)):
+        out, ids, n = ref.outputs[0], ref.prompt_token_ids, len(ref.prompt_token_ids)
+        lp = choice["logprobs"]
+        assert choice["text"] == prompts[i] + out.text
+        assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in ids + out.token_ids]
+        assert "".join(lp["tokens"]) == choice["text"]
+        assert lp["text_offset"] == [len("".join(lp["tokens"][:k])) for k in range(len(lp["tokens"]))]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = [e[t] for e, t in zip(ref.prompt_logprobs[1:] + out.logprobs, ids[1:] + out.token_ids)]
+        assert lp["token_logprobs"][1:] == pytest.approx([w.logprob for w in want], abs=1e-4)
+        for got, entry in zip(lp["top_logprobs"][1:], ref.prompt_logprobs[1:] + out.logprobs):
+            assert got == pytest.approx({v.decoded_token: v.logprob for v in entry.values()}, abs=1e-4)
+        streamed = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in streamed) == choice["text"]
+        joined = completion_logprobs(streamed)
+        assert joined["tokens"] == lp["tokens"] and joined["text_offset"] == lp["text_offset"]
+        assert joined["token_logprobs"][0] is None and joined["top_logprobs"][0] is None
+        assert joined["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+    plain = httpx.post(url, json={**body, "echo": False}, timeout=120).json()["choices"][0]["logprobs"]
+    assert plain["tokens"] == whole[0]["logprobs"]["tokens"][len(refs[0].prompt_token_ids):]
+    assert plain["text_offset"][0] == 0
+
+
 def test_16_concurrent_streams(server, smollm2_llm):
     prompts = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
     refs = {p: smollm2_llm.generate(p, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text

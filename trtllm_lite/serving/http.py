@@ -339,6 +339,7 @@ class ResponseFormat:
     def __init__(self, service, body, kind, rid, created, n, prompt_texts):
         self.service, self.body, self.kind, self.rid, self.created, self.n = service, body, kind, rid, created, n
         self.prompt_texts = prompt_texts
+        self._text_offsets: dict[int, int] = {}   # choice index -> its logprobs' text so far (streaming)
         self.object = "text_completion" if kind == "text" else "chat.completion"
 
     def _base(self, chunk: bool) -> dict:
@@ -351,7 +352,11 @@ class ResponseFormat:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": sum(a.num_cached_tokens for a in accs)}}
 
-    def _logprobs(self, o):
+    def _logprobs(self, o, index: int, echoed=None):
+        """``o``'s logprobs in the route's shape, or None when none were asked for.
+        ``echoed``: the ``RequestOutput`` whose prompt a completion echoes in this piece of the
+        choice; with it, the prompt's tokens come first (the first with a null logprob and
+        top_logprobs, as vLLM). ``text_offset`` goes on from the choice's previous piece."""
         if getattr(o, "logprobs", None) is None:
             return None
         tok = self.service.llm.tokenizer
@@ -370,17 +375,21 @@ class ResponseFormat:
                         for k, v in top][:self.body.top_logprobs or 0]
                 content.append({"token": s, "logprob": _num(lp), "bytes": list(s.encode()), "top_logprobs": alts})
             return {"content": content}
-        tokens, lps, tops, offsets, offset = [], [], [], [], 0
+        if echoed is not None and echoed.prompt_logprobs is not None:
+            positions = position_logprobs(echoed.prompt_token_ids, echoed.prompt_logprobs) + positions
+        tokens, lps, tops, offsets = [], [], [], []
+        offset = self._text_offsets.get(index, 0)
         for t, lp, top in positions:
             s = text(t, dict(top).get(t))
             offsets.append(offset)
             offset += len(s)
             tokens.append(s)
             lps.append(_num(lp))
-            tops.append({text(k, v): v.logprob for k, v in top})
+            tops.append({text(k, v): v.logprob for k, v in top} if top else None)
+        self._text_offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _choice(self, index: int, text: str, o, chunk: bool, first: bool = False) -> dict:
+    def _choice(self, index: int, text: str, o, chunk: bool, first: bool = False, echoed=None) -> dict:
         finish = o.finish_reason
         choice = {"index": index}
         if self.kind == "text":
@@ -390,7 +399,7 @@ class ResponseFormat:
                 if text or first else {}
         else:
             choice["message"] = {"role": "assistant", "content": text}
-        choice.update(logprobs=self._logprobs(o), finish_reason=finish,
+        choice.update(logprobs=self._logprobs(o, index, echoed), finish_reason=finish,
                       stop_reason=o.stop_reason if finish == "stop" else None)
         return choice
 
@@ -399,7 +408,8 @@ class ResponseFormat:
         for i, acc in enumerate(accs):
             for s in acc.results():
                 text = (self.prompt_texts[i] + s.text) if self.prompt_texts else s.text
-                choices.append(self._choice(i * self.n + s.index, text, s, chunk=False))
+                choices.append(self._choice(i * self.n + s.index, text, s, chunk=False,
+                                            echoed=acc.last if self.prompt_texts else None))
         return {**self._base(False), "choices": choices, "usage": self.usage(accs)}
 
     async def stream(self, gens, firsts):
@@ -430,7 +440,9 @@ class ResponseFormat:
             if not text and not o.finish_reason and not (first and self.kind == "chat"):
                 continue
             started.add(index)
-            yield _sse({**self._base(True), "choices": [self._choice(index, text, o, chunk=True, first=first)]})
+            echoed = out if first and self.prompt_texts else None
+            yield _sse({**self._base(True), "choices": [self._choice(index, text, o, chunk=True, first=first,
+                                                                     echoed=echoed)]})
 
 
 def _num(x):

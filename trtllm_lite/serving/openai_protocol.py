@@ -104,7 +104,8 @@ class CompletionRequest(_Sampling):
         """Sampling values for one prompt. ``max_tokens`` absent is 16 (OpenAI's legacy
         default, and vLLM's); sent as null it is ``room``, the tokens left in ``max_model_len``
         after this prompt (at least 1; whether the prompt leaves room is the engine's check), as
-        vLLM does.
+        vLLM does. With ``echo``, ``logprobs`` asks for the prompt's logprobs too (unless
+        ``prompt_logprobs`` is sent), as vLLM does: the echoed tokens carry theirs.
 
         Raises:
             ValueError: a field is unsupported or out of range (the message names it).
@@ -112,7 +113,10 @@ class CompletionRequest(_Sampling):
         if self.suffix:
             raise ValueError("suffix is not supported")
         max_tokens = self.max_tokens if self.max_tokens is not None or room is None else max(room, 1)
-        return dict(self.common_values(), max_tokens=max_tokens, logprobs=self.logprobs)
+        values = dict(self.common_values(), max_tokens=max_tokens, logprobs=self.logprobs)
+        if self.echo and values["prompt_logprobs"] is None:   # echo + logprobs: the prompt's too (vLLM)
+            values["prompt_logprobs"] = self.logprobs
+        return values
 
 
 class ContentPart(BaseModel):
