@@ -36,6 +36,9 @@ def test_bad_request_raises_and_engine_keeps_serving(smollm2_llm, prompt, params
     (dict(ignore_eos="no"), "ignore_eos must be a bool"),
     (dict(include_stop_str_in_output="x"), "include_stop_str_in_output must be a bool"),
     (dict(skip_special_tokens=1), "skip_special_tokens must be a bool"),
+    # a lone surrogate (JSON's "\\ud800") can never match the text; it was accepted (QA)
+    (dict(stop="\ud800"), "^stop is not valid Unicode text"),
+    (dict(stop=["ok", "a\udfff"]), "^stop is not valid Unicode text"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

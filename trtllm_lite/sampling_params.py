@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from .tokenizer import check_unicode
+
 MAX_LOGPROBS = 20   # top-N log-probabilities per position, at most (vLLM's default cap)
 
 
@@ -30,7 +32,8 @@ class SamplingParams:
     Stopping:
         max_tokens: >= 1 output tokens at most; finish reason 'length'.
         stop: strings that end the output (found across token boundaries); the text is cut
-            before the first occurrence unless ``include_stop_str_in_output``.
+            before the first occurrence unless ``include_stop_str_in_output``. Each must be
+            non-empty, valid Unicode (a lone surrogate is refused).
         stop_token_ids: tokens that end the output (as EOS does unless ``ignore_eos``).
         bad_words: strings never generated: each is tokenized (with and without a leading
             space); its last token is forbidden whenever the output ends with the rest.
@@ -125,6 +128,8 @@ class SamplingParams:
             bad("seed", "must be an integer in [0, 2**64) (gRPC's uint64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        for s in self.stop:   # a lone surrogate (JSON's "\\ud800") never matches any text
+            check_unicode(s, "stop")
         if any(not isinstance(s, str) or not s.strip() for s in self.bad_words):
             bad("bad_words", "must be non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):

@@ -11,6 +11,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 
+def check_unicode(text: str, name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``text`` is not valid Unicode: a lone surrogate,
+    which JSON's ``"\\ud800"`` escape decodes to, cannot be encoded, tokenized or matched."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text ({e.reason} at character {e.start})") from None
+
+
 class Tokenizer:
     """Encode prompts, decode tokens and apply the chat template of an engine directory.
 
@@ -70,12 +79,8 @@ class Tokenizer:
                              f"(at most {self.max_chars_per_token} characters a token)")
         try:
             return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
-        except TypeError:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"{name} is not valid Unicode text ({e.reason} at character "
-                                 f"{e.start})") from None
+        except TypeError:   # checked only here: a valid prompt is not encoded twice
+            check_unicode(text, name)
             raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
