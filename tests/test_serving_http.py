@@ -145,6 +145,34 @@ def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_first(server, smoll
     assert plain["text_offset"][0] == 0
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_streamed_logprobs_keep_tokens_whose_text_is_held_back(server, smollm2_llm, route):
+    """A token whose text is held back (here: it begins a stop string that then does not
+    follow) came in no chunk, so its logprobs were lost from the stream; now it comes in a
+    chunk of empty text, and the streamed logprobs are the whole answer's."""
+    tok = smollm2_llm.tokenizer
+    chat = route != "completions"
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    ref = (smollm2_llm.chat(MESSAGES, params) if chat else smollm2_llm.generate(PROMPT, params))[0].outputs[0]
+    held = tok.decode(ref.token_ids[:2])          # the first two tokens' text waits for the third
+    assert ref.text.startswith(held) and len(held.strip()) > 1
+    body = {"model": "smollm2", "max_tokens": 4, "temperature": 0, "stop": [held + "\u2603"],
+            **({"messages": MESSAGES, "logprobs": True, "top_logprobs": 1} if chat else
+               {"prompt": PROMPT, "logprobs": 1})}
+    url = f"http://{server.http}/v1/{route}"
+    whole = httpx.post(url, json=body, timeout=120).json()["choices"][0]
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+    want = [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    if chat:
+        assert [c["token"] for c in whole["logprobs"]["content"]] == want
+        assert [c["token"] for ch in chunks if ch["logprobs"] for c in ch["logprobs"]["content"]] == want
+    else:
+        assert whole["logprobs"]["tokens"] == want
+        assert completion_logprobs(chunks)["tokens"] == want
+        assert completion_logprobs(chunks)["text_offset"] == whole["logprobs"]["text_offset"]
+
+
 def test_16_concurrent_streams(server, smollm2_llm):
     prompts = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
     refs = {p: smollm2_llm.generate(p, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text

@@ -437,7 +437,9 @@ class ResponseFormat:
             text = o.text
             if first and self.prompt_texts:
                 text = self.prompt_texts[i] + text
-            if not text and not o.finish_reason and not (first and self.kind == "chat"):
+            # a token whose text is held back (it may begin a stop string, or ends inside a
+            # character) still gets a chunk when it has logprobs: they would be lost otherwise
+            if not text and not o.finish_reason and not o.logprobs and not (first and self.kind == "chat"):
                 continue
             started.add(index)
             echoed = out if first and self.prompt_texts else None
