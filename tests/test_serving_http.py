@@ -507,6 +507,17 @@ def test_models_health_metrics_tokenizer(server, smollm2_llm):
     assert detok["prompt"] == "Hello world"
 
 
+def test_detokenize_of_more_ids_than_max_seq_len_is_400_naming_tokens(server):
+    """/detokenize takes at most max_seq_len ids, as gRPC Detokenize (EngineService.detokenize):
+    decoding holds the GIL on the event loop every stream shares, so a longer list is a 400
+    naming tokens before it is read (any list up to the body size was decoded; QA)."""
+    base = f"http://{server.http}"
+    r = httpx.post(f"{base}/detokenize", json={"tokens": [11] * 200_000}, timeout=30)
+    assert r.status_code == 400 and "tokens has 200000 token ids, more than max_seq_len 1024" in r.text
+    r = httpx.post(f"{base}/detokenize", json={"tokens": [1, 10 ** 6]}, timeout=30)
+    assert r.status_code == 400 and "tokens: 1000000 is outside the vocabulary" in r.text
+
+
 def test_refused_http_requests_are_counted_like_grpc_ones(server):
     """Every generation request refused with 400/404 adds one invalid_argument outcome
     (docs/serving.md), whether pydantic, the model check, the parameters or the prompt

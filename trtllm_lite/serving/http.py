@@ -239,11 +239,7 @@ class OpenAIServer:
     async def detokenize(self, body: oa.DetokenizeRequest):
         try:
             self._check_model(body.model)
-            vocab = self.service.llm.engine.model_config["vocab_size"]
-            bad = [t for t in body.tokens if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"tokens: {bad[0]} is outside the vocabulary [0, {vocab})")
-            return {"prompt": self.service.tokenizer.decode(body.tokens)}
+            return {"prompt": self.service.detokenize(body.tokens, name="tokens")}
         except Exception as e:  # noqa: BLE001
             return error_response(e)
 
