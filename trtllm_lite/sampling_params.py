@@ -125,7 +125,7 @@ class SamplingParams:
             if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 64):
-            bad("seed", "must be an integer in [0, 2**64) (gRPC's uint64)")
+            bad("seed", "must be an integer in [0, 2**64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         for s in self.stop:   # a lone surrogate (JSON's "\\ud800") never matches any text
