@@ -223,6 +223,10 @@ def test_bad_words_longer_than_max_seq_len_tokens_can_cover_are_refused_untokeni
     words = ["x" * (limit // 2), "y" * (limit // 2 + 1)]   # each fits alone; together they do not
     with pytest.raises(ValueError, match=r"^bad_words have \d+ characters in all"):
         engine.make_request("Hi", SamplingParams(max_tokens=2, bad_words=words))
+    many = ["a"] * (engine.scheduler_config.max_seq_len + 1)   # within the character limit
+    with pytest.raises(ValueError, match=r"^bad_words has 1025 words: more than max_seq_len \(1024\)"):
+        engine.make_request("Hi", SamplingParams(max_tokens=2, bad_words=many))
+    engine.make_request("Hi", SamplingParams(max_tokens=2, bad_words=many[1:]))   # max_seq_len words: taken
     with pytest.raises(ValueError, match="^bad_words is not valid Unicode"):   # it named the prompt
         engine.make_request("Hi", SamplingParams(max_tokens=2, bad_words=["ok\ud800"]))
     out = smollm2_llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0, bad_words=["x" * 100]))

@@ -252,14 +252,18 @@ class LLMEngine:
 
     def check_words_length(self, words: list[str], name: str) -> None:
         """Refuse words a request asks to tokenize beside its prompt (``bad_words``, KServe's
-        ``embedding_bias_words``) that have more characters in all than ``max_seq_len`` tokens
-        can cover, before any is tokenized, as an over-long prompt is: tokenizing runs where the
-        request is made (a server's event loop), and 2 MB of bad words held it ~5 s.
+        ``embedding_bias_words``) that are more than ``max_seq_len`` words, or have more
+        characters in all than ``max_seq_len`` tokens can cover, before any is tokenized, as an
+        over-long prompt is: tokenizing runs where the request is made (a server's event loop),
+        and 2 MB of bad words held it ~5 s; 331k one-character words, within the character
+        limit, held it ~5 s too (one tokenizer call per word and variant).
 
         Raises:
-            ValueError: naming ``name``, the characters sent and the limit.
+            ValueError: naming ``name``, the words or characters sent and the limit.
         """
         limit = self.scheduler_config.max_seq_len
+        if len(words) > limit:
+            raise ValueError(f"{name} has {len(words)} words: more than max_seq_len ({limit})")
         per_token = self.tokenizer.max_chars_per_token
         total = sum(len(w) for w in words)
         if total > limit * per_token:

@@ -225,7 +225,7 @@ class TritonPythonModel:
         inputs = {t.name(): t.as_numpy() for t in request.inputs()}
         tokenizer = self.llm.tokenizer
         encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer else None
-        parsed = parse_inputs(inputs, encode)
+        parsed = parse_inputs(inputs, encode, check_words=self.llm.engine.check_words_length)
         return parsed, make_sampling_params(parsed.sampling)
 
     async def _generate(self, request_id: str, sender, request: EnsembleRequest, params) -> None:
