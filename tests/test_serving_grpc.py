@@ -467,3 +467,34 @@ def test_graceful_shutdown(smollm2_engine):
     assert results["short"] == "length"                  # finished within the grace period
     assert results["long"] in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE, "abort")
     assert elapsed < 30
+
+
+def test_a_request_closed_after_its_last_output_is_counted_once(smollm2_engine):
+    """EngineService.generate closed (aclose) once it has yielded the finished output, before
+    its end: the request counts once, by its finish reason (it also counted as cancelled, so a
+    front end that stops reading at the finished output, as HTTP's stream merger may, counted
+    every such request twice; helper's QA note)."""
+    import asyncio
+
+    from trtllm_lite.async_llm import AsyncLLM
+    from trtllm_lite.sampling_params import SamplingParams
+    from trtllm_lite.serving.engine_service import EngineService
+    from trtllm_lite.serving.metrics import Metrics
+
+    def outcomes(metrics):
+        return {s.labels["outcome"]: s.value for m in metrics.registry.collect() for s in m.samples
+                if s.name == "trtllm_lite_request_outcomes_total"}
+
+    async def run(service):
+        gen = service.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "once")
+        while not (await gen.__anext__()).finished:
+            pass
+        await gen.aclose()
+
+    llm = AsyncLLM(smollm2_engine, num_threads=2, num_kv_blocks=64)
+    try:
+        metrics = Metrics()
+        asyncio.run(run(EngineService(llm, "smollm2", metrics, None)))
+        assert outcomes(metrics) == {"length": 1.0}
+    finally:
+        llm.shutdown()

@@ -184,7 +184,8 @@ class EngineService:
         Close it (``contextlib.aclosing``) or cancel its consumer to abort the request. A
         cancellation once the deadline has passed counts as ``deadline_exceeded``, not
         ``cancelled``: gRPC cancels the handler at the client's deadline just as the request's
-        own timer fires, and which one comes first is chance.
+        own timer fires, and which one comes first is chance. Each request's outcome is counted
+        once: closing it after its finished output was yielded adds nothing.
         """
         outcome = "internal"
         last_token_time = None
@@ -206,12 +207,14 @@ class EngineService:
                         self.metrics.record_finished(acc)
                     yield out
         except (asyncio.CancelledError, GeneratorExit):
-            # the caller read its deadline (as time remaining) a moment before ``deadline`` was set
-            past_deadline = deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK
-            outcome = "deadline_exceeded" if past_deadline else "cancelled"
+            if outcome is not None:   # a request closed after its last output was counted then
+                # the caller read its deadline (as time remaining) a moment before ``deadline`` was set
+                past_deadline = deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK
+                outcome = "deadline_exceeded" if past_deadline else "cancelled"
             raise
         except BaseException as e:
-            outcome = classify(e).name.lower()
+            if outcome is not None:
+                outcome = classify(e).name.lower()
             raise
         finally:
             if outcome is not None:
