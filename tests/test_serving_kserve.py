@@ -90,8 +90,7 @@ def test_make_outputs_shapes_and_prompt_echo():
 def server(smollm2_engine):
     from trtllm_lite.serving.process import ServerProcess
 
-    with ServerProcess(smollm2_engine, "--num-threads", "2", "--no-verify-checksums", "--num-kv-blocks", "512",
-                       metrics=False) as s:
+    with ServerProcess(smollm2_engine, "--num-threads", "2", "--no-verify-checksums", "--num-kv-blocks", "512") as s:
         yield s
         assert s.stop() == 0
 
@@ -272,6 +271,34 @@ def test_stream_cancel_frees_blocks(server, triton):
     with LLMClient(server.grpc, timeout=30) as c:
         assert wait_until(lambda: c.model_info().kv_blocks_used == 0 and c.model_info().num_running == 0)
     assert triton.infer("ensemble", tensors(max_tokens=2)).as_numpy("text_output") is not None
+
+
+def test_a_stream_deadline_counts_its_requests_as_deadline_exceeded(server):
+    """A ModelStreamInfer stream's deadline applies to each request on it: the engine stops
+    them at the time left when each came, and they count as deadline_exceeded, as a unary
+    call's do (they counted as cancelled: the stream's requests had no deadline; QA)."""
+    from trtllm_lite.serving.client import LLMClient
+    from trtllm_lite.serving.process import wait_until
+
+    from .test_serving_grpc import outcomes
+
+    before = outcomes(server)
+    client = tg.InferenceServerClient(server.grpc)
+    s = queue.Queue()
+    client.start_stream(callback=lambda result, error: s.put((result, error)), stream_timeout=1.0)
+    long = tensors(max_tokens=400, stream=flag(True), min_tokens=np.array([[400]], np.int32))   # no early EOS
+    client.async_stream_infer("ensemble", long, request_id="long")
+    while True:
+        result, error = s.get(timeout=60)
+        if error is not None:
+            break
+    client.stop_stream()
+    client.close()
+    delta = lambda name: outcomes(server).get(name, 0) - before.get(name, 0)  # noqa: E731
+    assert wait_until(lambda: delta("deadline_exceeded") + delta("cancelled") >= 1, timeout=10)
+    assert (delta("deadline_exceeded"), delta("cancelled")) == (1, 0)
+    with LLMClient(server.grpc, timeout=30) as c:
+        assert wait_until(lambda: c.model_info().kv_blocks_used == 0 and c.model_info().num_running == 0)
 
 
 def test_empty_final_response_and_stop_words(triton, reference):

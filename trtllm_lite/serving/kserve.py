@@ -209,13 +209,14 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         logprobs = _token_logprobs(results[0]) if ereq.return_log_probs else None
         return infer_response(request, self._outputs(ereq, acc, [s.text for s in results], logprobs))
 
-    async def _stream_one(self, request):
-        """Responses of one request of a stream (``ModelStreamInferResponse``)."""
+    async def _stream_one(self, request, timeout: float | None = None):
+        """Responses of one request of a stream (``ModelStreamInferResponse``); ``timeout``:
+        seconds left of the stream's deadline when the request came (None: none)."""
         ereq, params = self._parse(request)
         empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
             if "triton_enable_empty_final_response" in request.parameters else False
         acc = Accumulator()
-        async with aclosing(self.service.generate(ereq.prompt, params, uuid.uuid4().hex,
+        async with aclosing(self.service.generate(ereq.prompt, params, uuid.uuid4().hex, timeout,
                                                   cache_salt=ereq.cache_salt)) as gen:
             async for out in gen:
                 acc.add(out)
@@ -242,9 +243,9 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
         count = {"started": 0, "finished": 0}
 
-        async def run(request):
+        async def run(request, timeout):
             try:
-                async for resp in self._stream_one(request):
+                async for resp in self._stream_one(request, timeout):
                     await responses.put(kpb.ModelStreamInferResponse(infer_response=resp))
             except Exception as e:  # noqa: BLE001 - this request fails, the stream goes on
                 err = kpb.ModelInferResponse(model_name=request.model_name, id=request.id)
@@ -257,7 +258,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             try:
                 async for request in request_iterator:
                     count["started"] += 1
-                    task = asyncio.create_task(run(request))
+                    task = asyncio.create_task(run(request, context.time_remaining()))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
             finally:
