@@ -173,6 +173,52 @@ def test_streamed_logprobs_keep_tokens_whose_text_is_held_back(server, smollm2_l
         assert completion_logprobs(chunks)["text_offset"] == whole["logprobs"]["text_offset"]
 
 
+def assert_vllm_prompt_logprobs(got, ref, n: int) -> None:
+    """``got`` is ``ref``'s prompt logprobs (the engine's own, top-``n``) in vLLM's JSON shape:
+    per prompt token, null for the first, else ``{"<token id>": {"logprob", "rank",
+    "decoded_token"}}`` holding the prompt token itself and the top-``n``."""
+    ids = ref.prompt_token_ids
+    assert len(got) == len(ids) and got[0] is None
+    for token, entry, want in zip(ids[1:], got[1:], ref.prompt_logprobs[1:]):
+        assert str(token) in entry and set(entry) == {str(t) for t in want}
+        assert sorted(e["rank"] for e in entry.values())[:n] == list(range(1, n + 1))
+        for t, lp in want.items():
+            e = entry[str(t)]
+            assert e["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+            assert (e["rank"], e["decoded_token"]) == (lp.rank, lp.decoded_token)
+
+
+def test_prompt_logprobs_are_returned_where_vllm_puts_them(server, smollm2_llm):
+    """``prompt_logprobs: N`` without ``echo`` was computed and then dropped (QA). As vLLM, it
+    comes back on each completion choice and on the chat response itself (not its choices), for
+    non-streamed answers; with ``stream: true`` it is a 400 naming it on both routes (vLLM's
+    rule: above 0; 0 streams). Reference: the engine's own prompt_logprobs through
+    ``LLM.generate`` / ``LLM.chat``."""
+    prompts = [PROMPT, "def fibonacci(n):"]
+    refs = smollm2_llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))
+    chat_ref = smollm2_llm.chat(MESSAGES, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))[0]
+    base, common = f"http://{server.http}/v1", {"model": "smollm2", "max_tokens": 2, "temperature": 0}
+    choices = httpx.post(f"{base}/completions", json={**common, "prompt": prompts, "n": 2, "prompt_logprobs": 3},
+                         timeout=120).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c in choices:
+        assert_vllm_prompt_logprobs(c["prompt_logprobs"], refs[c["index"] // 2], 3)
+    chat = httpx.post(f"{base}/chat/completions", json={**common, "messages": MESSAGES, "prompt_logprobs": 2},
+                      timeout=120).json()
+    assert_vllm_prompt_logprobs(chat["prompt_logprobs"], chat_ref, 2)
+    assert "prompt_logprobs" not in chat["choices"][0]
+    plain = httpx.post(f"{base}/completions", json={**common, "prompt": PROMPT}, timeout=120).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    for route, extra in (("completions", {"prompt": PROMPT}), ("chat/completions", {"messages": MESSAGES})):
+        r = httpx.post(f"{base}/{route}", json={**common, **extra, "stream": True, "prompt_logprobs": 1}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+        assert "stream" in r.json()["error"]["message"]
+        with httpx.stream("POST", f"{base}/{route}", json={**common, **extra, "stream": True, "prompt_logprobs": 0},
+                          timeout=60) as ok:
+            lines = [line for line in ok.iter_lines() if line.startswith("data: ")]
+        assert ok.status_code == 200 and lines[-1] == "data: [DONE]" and '"error"' not in "".join(lines)
+
+
 def test_16_concurrent_streams(server, smollm2_llm):
     prompts = ["Once upon a time", "def fibonacci(n):", "Water boils at", "My favourite colour is"]
     refs = {p: smollm2_llm.generate(p, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text

@@ -400,13 +400,20 @@ class ResponseFormat:
         return choice
 
     def whole(self, accs: list[Accumulator]) -> dict:
+        """The non-streamed answer. The prompt's logprobs, when the engine computed them
+        (``prompt_logprobs``, or completions' ``echo`` with ``logprobs``), go where vLLM puts
+        them: each completion choice's ``prompt_logprobs``, the chat response's own."""
         choices = []
         for i, acc in enumerate(accs):
             for s in acc.results():
                 text = (self.prompt_texts[i] + s.text) if self.prompt_texts else s.text
-                choices.append(self._choice(i * self.n + s.index, text, s, chunk=False,
-                                            echoed=acc.last if self.prompt_texts else None))
-        return {**self._base(False), "choices": choices, "usage": self.usage(accs)}
+                choice = self._choice(i * self.n + s.index, text, s, chunk=False,
+                                      echoed=acc.last if self.prompt_texts else None)
+                if self.kind == "text":
+                    choice["prompt_logprobs"] = prompt_logprobs_json(acc.last)
+                choices.append(choice)
+        extra = {"prompt_logprobs": prompt_logprobs_json(accs[0].last)} if self.kind == "chat" else {}
+        return {**self._base(False), "choices": choices, "usage": self.usage(accs), **extra}
 
     async def stream(self, gens, firsts):
         accs = [Accumulator() for _ in gens]
@@ -445,6 +452,18 @@ class ResponseFormat:
 
 def _num(x):
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def prompt_logprobs_json(out) -> list | None:
+    """``out.prompt_logprobs`` in vLLM's JSON shape: per prompt token, null for the first, else
+    ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt token and the
+    top-N (-inf as -9999.0, as vLLM clamps it); None when none were computed."""
+    if out is None or out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in entry.items()}
+            for entry in out.prompt_logprobs]
 
 
 class _closing_all:

@@ -57,7 +57,11 @@ class _Sampling(BaseModel):
     best_of: int | None = None
 
     def common_values(self) -> dict[str, Any]:
-        """Sampling values under vLLM names (None = not set)."""
+        """Sampling values under vLLM names (None = not set). ``prompt_logprobs`` above 0 with
+        ``stream`` is refused, as vLLM does: a streamed answer has nowhere to carry them."""
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs > 0:
+            raise ValueError(f"prompt_logprobs ({self.prompt_logprobs}) is not available with stream=true "
+                             "(as in vLLM): a streamed answer does not carry them")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
         bias = None
