@@ -100,6 +100,25 @@ def test_stop_string_logprobs_and_max_tokens_1(oai, smollm2_llm):
     assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
 
 
+def test_echoed_prompt_tokens_top_logprobs_hold_logprobs_n_not_prompt_logprobs_n(server, smollm2_llm):
+    """With ``echo``, ``logprobs: 1`` and ``prompt_logprobs: 4``, each echoed prompt token's
+    ``top_logprobs`` held 4 alternatives (QA); as vLLM, it holds the top ``logprobs`` plus the
+    prompt token itself, while ``choices[].prompt_logprobs`` keeps all 4. Reference: the
+    engine's own prompt_logprobs through ``LLM.generate``, capped here by rank."""
+    ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, prompt_logprobs=4))[0]
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
+            "prompt_logprobs": 4}
+    choice = httpx.post(f"http://{server.http}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    ids, out = ref.prompt_token_ids, ref.outputs[0]
+    tops = choice["logprobs"]["top_logprobs"]
+    assert len(tops) == len(ids) + len(out.token_ids) and tops[0] is None
+    for got, token, entry in zip(tops[1:], ids[1:] + out.token_ids, ref.prompt_logprobs[1:] + out.logprobs):
+        want = {v.decoded_token: v.logprob for t, v in entry.items() if v.rank <= 1 or t == token}
+        assert got == pytest.approx(want, abs=1e-4)
+    assert any(len(top) == 2 for top in tops[1:len(ids)])   # a prompt token that is not the top one
+    assert_vllm_prompt_logprobs(choice["prompt_logprobs"], ref, 4)
+
+
 def completion_logprobs(choices) -> dict:
     """One choice's ``logprobs`` lists joined over its streamed pieces."""
     joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

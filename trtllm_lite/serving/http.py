@@ -377,6 +377,9 @@ class ResponseFormat:
         offset = self._text_offsets.get(index, 0)
         for t, lp, top in positions:
             s = text(t, dict(top).get(t))
+            # the top `logprobs: N` plus the chosen token, as vLLM caps them: an echoed prompt
+            # token holds the top `prompt_logprobs`, which may be more
+            top = [(k, v) for i, (k, v) in enumerate(top) if i < self.body.logprobs or k == t]
             offsets.append(offset)
             offset += len(s)
             tokens.append(s)
