@@ -119,6 +119,51 @@ def test_echoed_prompt_tokens_top_logprobs_hold_logprobs_n_not_prompt_logprobs_n
     assert_vllm_prompt_logprobs(choice["prompt_logprobs"], ref, 4)
 
 
+def strict_json(text: str):
+    """JSON as the standard has it: ``-Infinity`` and ``NaN`` are not JSON."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+
+
+def assert_alternatives(got: dict, entry) -> None:
+    """``got`` (text -> logprob) holds ``entry``'s alternatives (the engine's ``{id: Logprob}``),
+    those ruled out of the sampled distribution (-inf; which of them is arbitrary) as -9999.0."""
+    assert len(got) == len(entry)
+    live = {v.decoded_token: v.logprob for v in entry.values() if v.logprob > -9999.0}
+    assert {k: v for k, v in got.items() if v > -9999.0} == pytest.approx(live, abs=1e-4)
+    assert all(v == -9999.0 for k, v in got.items() if k not in live)
+
+
+def test_alternatives_ruled_out_by_top_k_are_minus_9999_not_a_500(server, smollm2_llm):
+    """Sampled with ``top_k: 2`` and 5 logprobs asked for, the alternatives past the top 2 have
+    -inf logprobs in the distribution sampled from: the answer was a 500 and a streamed chunk
+    carried ``-Infinity``, which is not JSON (found fixing prompt_logprobs). As vLLM and OpenAI,
+    they are -9999.0. Reference: the engine's own logprobs through ``LLM.generate`` /
+    ``LLM.chat`` with the same seed."""
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=7, logprobs=5)
+    refs = {"completions": smollm2_llm.generate(PROMPT, params)[0].outputs[0],
+            "chat/completions": smollm2_llm.chat(MESSAGES, params)[0].outputs[0]}
+    common = {"model": "smollm2", "max_tokens": 3, "temperature": 1.0, "top_k": 2, "seed": 7}
+    base = f"http://{server.http}/v1"
+    for route, extra in (("completions", {"prompt": PROMPT, "logprobs": 5}),
+                         ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 5})):
+        ref = refs[route]
+        assert len(ref.token_ids) == 3 and any(v.logprob == float("-inf") for v in ref.logprobs[0].values())
+        r = httpx.post(f"{base}/{route}", json={**common, **extra}, timeout=120)
+        assert r.status_code == 200, r.text
+        lp = strict_json(r.text)["choices"][0]["logprobs"]
+        with httpx.stream("POST", f"{base}/{route}", json={**common, **extra, "stream": True}, timeout=120) as s:
+            chunks = [strict_json(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert all("error" not in c for c in chunks)
+        if route == "completions":
+            tops = lp["top_logprobs"]
+            assert completion_logprobs([c["choices"][0] for c in chunks])["top_logprobs"] == tops
+        else:
+            tops = [{a["token"]: a["logprob"] for a in c["top_logprobs"]} for c in lp["content"]]
+        assert len(tops) == 3
+        for got, entry in zip(tops, ref.logprobs):
+            assert_alternatives(got, entry)
+
+
 def completion_logprobs(choices) -> dict:
     """One choice's ``logprobs`` lists joined over its streamed pieces."""
     joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

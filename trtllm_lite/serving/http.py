@@ -367,7 +367,7 @@ class ResponseFormat:
             content = []
             for t, lp, top in positions:
                 s = text(t, dict(top).get(t))
-                alts = [{"token": text(k, v), "logprob": v.logprob, "bytes": list(text(k, v).encode())}
+                alts = [{"token": text(k, v), "logprob": _num(v.logprob), "bytes": list(text(k, v).encode())}
                         for k, v in top][:self.body.top_logprobs or 0]
                 content.append({"token": s, "logprob": _num(lp), "bytes": list(s.encode()), "top_logprobs": alts})
             return {"content": content}
@@ -384,7 +384,7 @@ class ResponseFormat:
             offset += len(s)
             tokens.append(s)
             lps.append(_num(lp))
-            tops.append({text(k, v): v.logprob for k, v in top} if top else None)
+            tops.append({text(k, v): _num(v.logprob) for k, v in top} if top else None)
         self._text_offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -454,7 +454,12 @@ class ResponseFormat:
 
 
 def _num(x):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+    """A logprob for JSON, which has no -Infinity: NaN (none) is null; -inf (a token that
+    top_k, top_p or min_p ruled out of the distribution sampled from) is -9999.0, as vLLM and
+    OpenAI write it."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return None
+    return max(x, -9999.0)
 
 
 def prompt_logprobs_json(out) -> list | None:
@@ -464,7 +469,7 @@ def prompt_logprobs_json(out) -> list | None:
     if out is None or out.prompt_logprobs is None:
         return None
     return [None if entry is None else
-            {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            {str(t): {"logprob": _num(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
              for t, lp in entry.items()}
             for entry in out.prompt_logprobs]
 
