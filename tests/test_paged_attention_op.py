@@ -255,9 +255,12 @@ def test_kernels_fall_back_to_function_bodies_without_a_compiler(monkeypatch, tm
     assert kernels.library_path() is None
 
 
-def test_a_broken_cached_library_is_rebuilt(monkeypatch, tmp_path):
-    """A cached library that does not load (truncated by a full disk, say) is rebuilt, not
-    handed to ONNX Runtime (which would fail every session)."""
+def test_the_built_library_is_readable_by_everyone_and_a_broken_one_is_rebuilt(monkeypatch, tmp_path):
+    """A cache shared between users (a pre-built image, say) must be loadable by all; a cached
+    library that does not load (truncated by a full disk, say) is rebuilt, not handed to ONNX
+    Runtime (which would fail every session). One test: each build costs the suite ~15 s."""
+    import stat
+
     import trtllm_lite.ort_kernels as kernels
 
     monkeypatch.setenv("TRTLLM_LITE_CACHE_DIR", str(tmp_path))
@@ -265,23 +268,11 @@ def test_a_broken_cached_library_is_rebuilt(monkeypatch, tmp_path):
         good = kernels.build_library()
     except kernels.KernelBuildError as e:
         pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
+    assert stat.S_IMODE(good.stat().st_mode) & 0o555 == 0o555
     good.write_bytes(good.read_bytes()[:100])
     monkeypatch.setattr(kernels, "_result", {})
     path = kernels.library_path()
     assert path == str(good) and good.stat().st_size > 100
+    assert stat.S_IMODE(good.stat().st_mode) & 0o555 == 0o555
     so = ort.SessionOptions()
     so.register_custom_ops_library(path)
-
-
-def test_the_built_library_is_readable_by_everyone(monkeypatch, tmp_path):
-    """A cache shared between users (a pre-built image, say) must be loadable by all."""
-    import stat
-
-    import trtllm_lite.ort_kernels as kernels
-
-    monkeypatch.setenv("TRTLLM_LITE_CACHE_DIR", str(tmp_path))
-    try:
-        path = kernels.build_library()
-    except kernels.KernelBuildError as e:
-        pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
-    assert stat.S_IMODE(path.stat().st_mode) & 0o555 == 0o555
