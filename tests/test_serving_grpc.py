@@ -498,3 +498,40 @@ def test_a_request_closed_after_its_last_output_is_counted_once(smollm2_engine):
         assert outcomes(metrics) == {"length": 1.0}
     finally:
         llm.shutdown()
+
+
+def test_a_cancel_within_grpcs_deadline_rounding_counts_as_deadline_exceeded(smollm2_engine):
+    """gRPC sends a call's deadline as grpc-timeout rounded up (10 ms steps from 1 s, 100 ms
+    from 10 s), so the server's deadline can lie up to 1% past the client's, and the client
+    cancels the call at its own: 6-7 ms before the server's for 1-3 s deadlines, where a 5 ms
+    slack counted about half of them as cancelled (QA). A cancellation within 1% (+ 5 ms) of
+    the deadline counts as deadline_exceeded; one well before it still counts as cancelled."""
+    from trtllm_lite.async_llm import AsyncLLM
+    from trtllm_lite.serving.engine_service import EngineService
+    from trtllm_lite.serving.metrics import Metrics
+
+    def outcomes(metrics):
+        return {s.labels["outcome"]: s.value for m in metrics.registry.collect() for s in m.samples
+                if s.name == "trtllm_lite_request_outcomes_total"}
+
+    async def cancel_at(service, limit, after):
+        async def consume():
+            params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+            async for _ in service.generate([1, 2, 3], params, None, limit):
+                pass
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(after)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    llm = AsyncLLM(smollm2_engine, num_threads=2, num_kv_blocks=256)
+    try:
+        metrics = Metrics()
+        service = EngineService(llm, "smollm2", metrics, None)
+        asyncio.run(cancel_at(service, 3.0, 3.0 - 0.02))     # 20 ms before: within 1% + 5 ms
+        assert outcomes(metrics) == {"deadline_exceeded": 1.0}
+        asyncio.run(cancel_at(service, 3.0, 0.5))            # a client's own cancel
+        assert outcomes(metrics) == {"deadline_exceeded": 1.0, "cancelled": 1.0}
+    finally:
+        llm.shutdown()

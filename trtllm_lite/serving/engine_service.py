@@ -20,8 +20,12 @@ from .metrics import Metrics
 from .params import make_sampling_params
 
 
-#: Seconds before a request's deadline from which a cancellation counts as the deadline's.
+#: Seconds before a request's deadline from which a cancellation counts as the deadline's,
+#: plus this fraction of the time it had: gRPC sends a deadline as grpc-timeout rounded up
+#: (10 ms steps from 1 s, 100 ms from 10 s), so the server's deadline can lie up to 1% past
+#: the client's, which cancels the call at its own (6-7 ms early for 1-3 s deadlines).
 _DEADLINE_SLACK = 0.005
+_DEADLINE_SLACK_RATIO = 0.01
 
 
 class ErrorKind(enum.Enum):
@@ -182,10 +186,11 @@ class EngineService:
         """``AsyncLLM.generate`` with metrics; same deltas, same exceptions.
 
         Close it (``contextlib.aclosing``) or cancel its consumer to abort the request. A
-        cancellation once the deadline has passed counts as ``deadline_exceeded``, not
-        ``cancelled``: gRPC cancels the handler at the client's deadline just as the request's
-        own timer fires, and which one comes first is chance. Each request's outcome is counted
-        once: closing it after its finished output was yielded adds nothing.
+        cancellation once the deadline has passed (or within 1% + 5 ms of it: gRPC rounds the
+        deadline it sends up, and the client cancels at its own) counts as ``deadline_exceeded``,
+        not ``cancelled``: gRPC cancels the handler at the client's deadline just as the
+        request's own timer fires, and which one comes first is chance. Each request's outcome
+        is counted once: closing it after its finished output was yielded adds nothing.
         """
         outcome = "internal"
         last_token_time = None
@@ -209,7 +214,8 @@ class EngineService:
         except (asyncio.CancelledError, GeneratorExit):
             if outcome is not None:   # a request closed after its last output was counted then
                 # the caller read its deadline (as time remaining) a moment before ``deadline`` was set
-                past_deadline = deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK
+                past_deadline = deadline is not None and \
+                    time.monotonic() >= deadline - _DEADLINE_SLACK - _DEADLINE_SLACK_RATIO * limit
                 outcome = "deadline_exceeded" if past_deadline else "cancelled"
             raise
         except BaseException as e:
