@@ -350,3 +350,34 @@ def test_wrong_datatype_is_invalid_argument_and_the_server_lives(triton, name, v
     assert "INVALID_ARGUMENT" in str(e.value.status())
     assert f"{name!r} must be {et.INPUTS_BY_NAME[name].datatype}, got {datatype}" in e.value.message()
     assert triton.infer("ensemble", tensors(max_tokens=2)).as_numpy("text_output") is not None
+
+
+def test_requests_refused_before_the_engine_count_as_invalid_argument(server, triton):
+    """A KServe request refused while its tensors are read (a bad value, a wrong datatype,
+    stream=true on ModelInfer, an unknown model) counts once in request_outcomes under
+    invalid_argument, as the other front ends count theirs; only those refused by the engine
+    itself (max_tokens past max_seq_len) were counted (QA). One refused there still counts once."""
+    from trtllm_lite.serving.process import wait_until
+
+    from .test_serving_grpc import outcomes
+
+    before = outcomes(server)
+    wrong_type = [t for t in tensors() if t.name() != "temperature"]
+    wrong_type.append(tg.InferInput("temperature", [1, 1], "FP64"))
+    wrong_type[-1].set_data_from_numpy(np.array([[0.0]], np.float64))
+    for model, inputs in [("ensemble", tensors(top_p=np.array([[1.5]], np.float32))),
+                          ("ensemble", wrong_type),
+                          ("ensemble", tensors(stream=flag(True))),
+                          ("no-such-model", tensors()),
+                          ("ensemble", tensors(max_tokens=2000))]:        # refused by the engine
+        with pytest.raises(InferenceServerException):
+            triton.infer(model, inputs)
+    s = Stream(triton)
+    try:
+        triton.async_stream_infer("ensemble", tensors(temperature=np.array([[-1.0]], np.float32)), request_id="bad")
+        s.collect([], num_errors=1)
+    finally:
+        triton.stop_stream()
+    delta = lambda name: outcomes(server).get(name, 0) - before.get(name, 0)  # noqa: E731
+    assert wait_until(lambda: delta("invalid_argument") >= 6, timeout=10)
+    assert {k: delta(k) for k in set(outcomes(server)) if delta(k)} == {"invalid_argument": 6}

@@ -175,7 +175,22 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         return kpb.ModelConfigResponse(config=config)
 
     # -- inference ------------------------------------------------------------------------
-    def _parse(self, request: kpb.ModelInferRequest):
+    def _parse(self, request: kpb.ModelInferRequest, infer: bool = False):
+        """The request's ``EnsembleRequest`` and ``SamplingParams``; ``infer``: for ModelInfer,
+        which refuses ``stream=true``. A refused request counts in the request outcomes (an
+        unknown model as ``invalid_argument``), as the other front ends count theirs."""
+        try:
+            ereq, params = self._read(request)
+            if infer and ereq.stream:
+                raise ValueError("stream=true needs ModelStreamInfer (decoupled); "
+                                 "ModelInfer returns the whole text at once")
+        except Exception as e:
+            self.service.metrics.record_failed("invalid_argument" if isinstance(e, NotFoundError)
+                                               else classify(e).name.lower())
+            raise
+        return ereq, params
+
+    def _read(self, request: kpb.ModelInferRequest):
         if request.model_name not in self.model_names or request.model_version not in ("", "1"):
             raise NotFoundError(f"unknown model {request.model_name!r} version {request.model_version!r}; "
                                 f"served: {', '.join(self.model_names)}")
@@ -195,10 +210,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
-            ereq, params = self._parse(request)
-            if ereq.stream:
-                raise ValueError("stream=true needs ModelStreamInfer (decoupled); "
-                                 "ModelInfer returns the whole text at once")
+            ereq, params = self._parse(request, infer=True)
             acc = await self.service.generate_all(ereq.prompt, params, uuid.uuid4().hex, context.time_remaining(),
                                                   cache_salt=ereq.cache_salt)
         except NotFoundError as e:
