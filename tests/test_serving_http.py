@@ -479,6 +479,18 @@ def test_completions_null_max_tokens_runs_to_max_model_len_and_absent_is_16(serv
     assert absent["usage"]["completion_tokens"] == 16
 
 
+def test_more_prompts_than_the_queue_holds_is_400_naming_prompt(server):
+    """A completions batch is one request per prompt, queued at once: more prompts than
+    max_waiting_requests (256 here) is refused up front, a 400 naming prompt (20,000 prompts
+    held the event loop, /health with it, ~14 s before a 429; QA); 256 are taken."""
+    url = f"http://{server.http}/v1/completions"
+    r = httpx.post(url, json={"model": "smollm2", "prompt": ["hi"] * 20_000, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "20000 prompts: more than max_waiting_requests (256)" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "smollm2", "prompt": [[11]] * 256, "max_tokens": 1}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 256
+
+
 def test_bad_json_is_400(server):
     r = httpx.post(f"http://{server.http}/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})

@@ -298,6 +298,12 @@ class OpenAIServer:
         try:
             self._check_model(body.model)
             prompts = body.prompts()
+            limit = self.service.llm.max_waiting_requests
+            if limit is not None and len(prompts) > max(limit, 1):
+                # one request per prompt, all queued at once: more than the queue holds is never
+                # taken whole, and starting each (20,000 of them) held the event loop ~14 s
+                raise ValueError(f"prompt has {len(prompts)} prompts: more than max_waiting_requests "
+                                 f"({limit}) can queue at once")
             texts = [p if isinstance(p, str) else self.service.tokenizer.decode(p) for p in prompts] \
                 if body.echo else None
             rooms = [None] * len(prompts)
