@@ -271,12 +271,8 @@ class LLMEngine:
                              f"hold (at most {per_token} characters a token)")
 
     def _bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
-        """Token sequences of each bad word, with and without a leading space (as vLLM).
-
-        Bad words with more characters in all than ``max_seq_len`` tokens can cover are
-        refused before they are tokenized, as a prompt is: tokenizing runs where the request
-        is made (a server's event loop), and 2 MB of bad words held it ~5 s.
-        """
+        """Token sequences of each bad word, with and without a leading space (as vLLM);
+        words past :meth:`check_words_length`'s limits are refused before any is tokenized."""
         if not words:
             return ()
         if self.tokenizer is None:
