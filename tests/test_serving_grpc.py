@@ -469,51 +469,53 @@ def test_graceful_shutdown(smollm2_engine):
     assert elapsed < 30
 
 
-def test_a_request_closed_after_its_last_output_is_counted_once(smollm2_engine):
+@pytest.fixture(scope="module")
+def local_llm(smollm2_engine):
+    """An AsyncLLM in this process, for EngineService's own tests (no server)."""
+    from trtllm_lite.async_llm import AsyncLLM
+
+    llm = AsyncLLM(smollm2_engine, num_threads=2, num_kv_blocks=256)
+    yield llm
+    llm.shutdown()
+
+
+def local_service(llm):
+    """(an EngineService over ``llm`` with metrics of its own, those metrics)."""
+    from trtllm_lite.serving.engine_service import EngineService
+    from trtllm_lite.serving.metrics import Metrics
+
+    metrics = Metrics()
+    return EngineService(llm, "smollm2", metrics, None), metrics
+
+
+def registry_outcomes(metrics) -> dict[str, float]:
+    """``trtllm_lite_request_outcomes_total`` by outcome, read from ``metrics``' registry."""
+    return {s.labels["outcome"]: s.value for m in metrics.registry.collect() for s in m.samples
+            if s.name == "trtllm_lite_request_outcomes_total"}
+
+
+def test_a_request_closed_after_its_last_output_is_counted_once(local_llm):
     """EngineService.generate closed (aclose) once it has yielded the finished output, before
     its end: the request counts once, by its finish reason (it also counted as cancelled, so a
     front end that stops reading at the finished output, as HTTP's stream merger may, counted
     every such request twice; helper's QA note)."""
-    import asyncio
-
-    from trtllm_lite.async_llm import AsyncLLM
-    from trtllm_lite.sampling_params import SamplingParams
-    from trtllm_lite.serving.engine_service import EngineService
-    from trtllm_lite.serving.metrics import Metrics
-
-    def outcomes(metrics):
-        return {s.labels["outcome"]: s.value for m in metrics.registry.collect() for s in m.samples
-                if s.name == "trtllm_lite_request_outcomes_total"}
-
     async def run(service):
         gen = service.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "once")
         while not (await gen.__anext__()).finished:
             pass
         await gen.aclose()
 
-    llm = AsyncLLM(smollm2_engine, num_threads=2, num_kv_blocks=64)
-    try:
-        metrics = Metrics()
-        asyncio.run(run(EngineService(llm, "smollm2", metrics, None)))
-        assert outcomes(metrics) == {"length": 1.0}
-    finally:
-        llm.shutdown()
+    service, metrics = local_service(local_llm)
+    asyncio.run(run(service))
+    assert registry_outcomes(metrics) == {"length": 1.0}
 
 
-def test_a_cancel_within_grpcs_deadline_rounding_counts_as_deadline_exceeded(smollm2_engine):
+def test_a_cancel_within_grpcs_deadline_rounding_counts_as_deadline_exceeded(local_llm):
     """gRPC sends a call's deadline as grpc-timeout rounded up (10 ms steps from 1 s, 100 ms
     from 10 s), so the server's deadline can lie up to 1% past the client's, and the client
     cancels the call at its own: 6-7 ms before the server's for 1-3 s deadlines, where a 5 ms
     slack counted about half of them as cancelled (QA). A cancellation within 1% (+ 5 ms) of
     the deadline counts as deadline_exceeded; one well before it still counts as cancelled."""
-    from trtllm_lite.async_llm import AsyncLLM
-    from trtllm_lite.serving.engine_service import EngineService
-    from trtllm_lite.serving.metrics import Metrics
-
-    def outcomes(metrics):
-        return {s.labels["outcome"]: s.value for m in metrics.registry.collect() for s in m.samples
-                if s.name == "trtllm_lite_request_outcomes_total"}
-
     async def cancel_at(service, limit, after):
         async def consume():
             params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
@@ -525,13 +527,8 @@ def test_a_cancel_within_grpcs_deadline_rounding_counts_as_deadline_exceeded(smo
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    llm = AsyncLLM(smollm2_engine, num_threads=2, num_kv_blocks=256)
-    try:
-        metrics = Metrics()
-        service = EngineService(llm, "smollm2", metrics, None)
-        asyncio.run(cancel_at(service, 3.0, 3.0 - 0.02))     # 20 ms before: within 1% + 5 ms
-        assert outcomes(metrics) == {"deadline_exceeded": 1.0}
-        asyncio.run(cancel_at(service, 3.0, 0.5))            # a client's own cancel
-        assert outcomes(metrics) == {"deadline_exceeded": 1.0, "cancelled": 1.0}
-    finally:
-        llm.shutdown()
+    service, metrics = local_service(local_llm)
+    asyncio.run(cancel_at(service, 3.0, 3.0 - 0.02))     # 20 ms before: within 1% + 5 ms
+    assert registry_outcomes(metrics) == {"deadline_exceeded": 1.0}
+    asyncio.run(cancel_at(service, 3.0, 0.5))            # a client's own cancel
+    assert registry_outcomes(metrics) == {"deadline_exceeded": 1.0, "cancelled": 1.0}
