@@ -532,3 +532,40 @@ def test_a_cancel_within_grpcs_deadline_rounding_counts_as_deadline_exceeded(loc
     assert registry_outcomes(metrics) == {"deadline_exceeded": 1.0}
     asyncio.run(cancel_at(service, 3.0, 0.5))            # a client's own cancel
     assert registry_outcomes(metrics) == {"deadline_exceeded": 1.0, "cancelled": 1.0}
+
+
+def test_a_long_text_prompt_is_tokenized_while_the_event_loop_runs(local_llm):
+    """AsyncLLM.generate tokenizes a text prompt on a worker thread, where the tokenizer
+    releases the GIL, so the event loop every request shares keeps running: 200k CJK
+    characters (within the character limit, ~0.7 s of tokenizing here, then refused as too
+    many tokens) held every other stream that long on the loop (QA: 2-6 s at the limit).
+    The loop's longest pause must stay well under the time tokenizing took."""
+    import random
+
+    rng = random.Random(0)
+    text = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(200_000))
+
+    async def run():
+        gaps, done = [], asyncio.Event()
+
+        async def tick():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match="more than max_seq_len"):
+            async for _ in local_llm.generate(text, SamplingParams(max_tokens=4)):
+                pass
+        took = time.perf_counter() - start
+        done.set()
+        await ticker
+        return max(gaps), took
+
+    longest, took = asyncio.run(run())
+    assert longest < took / 2, (longest, took)

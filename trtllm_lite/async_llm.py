@@ -174,12 +174,13 @@ class AsyncLLM:
         If the consumer stops iterating (cancellation, disconnect), the request is aborted
         and its KV blocks return within one step.
         """
-        if self._error is not None:
-            raise EngineDeadError(f"engine stopped: {self._error!r}")
-        if not self.accepting:
-            raise ShuttingDownError("the engine is shutting down and accepts no new requests")
+        self._check_accepting()
         deadline = None if timeout is None else time.monotonic() + timeout
-        request = self.engine.make_request(prompt, sampling_params, request_id or uuid.uuid4().hex, cache_salt)
+        # tokenizing (the prompt, bad_words) runs on a worker thread, where it releases the GIL:
+        # on the event loop, a long prompt stopped every other request's stream while it ran
+        request = await asyncio.to_thread(self.engine.make_request, prompt, sampling_params,
+                                          request_id or uuid.uuid4().hex, cache_salt)
+        self._check_accepting()   # it may have stopped while the request was tokenized
         rid = request.request_id
         if rid in self._streams or rid in self._aborting:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -205,6 +206,12 @@ class AsyncLLM:
             if not finished:
                 self._aborting.add(rid)     # the id stays taken until the engine has aborted it
                 self._commands.put(("abort", rid))
+
+    def _check_accepting(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine stopped: {self._error!r}")
+        if not self.accepting:
+            raise ShuttingDownError("the engine is shutting down and accepts no new requests")
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request by id, in any state (its stream ends with finish reason

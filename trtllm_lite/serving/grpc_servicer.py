@@ -1,6 +1,7 @@
 """The ``trtllm_lite.v1.LLMService`` servicer (``protos/llm_service.proto``) on ``grpc.aio``."""
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -116,7 +117,7 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
-            prompt = self._prompt(request)
+            prompt = await asyncio.to_thread(self._prompt, request)   # a chat is tokenized there
             params = self.service.sampling_params(check_seed(sampling_values(request.sampling_params)))
         except Exception as e:  # noqa: BLE001 - every request error becomes a status
             await self._fail(context, e, record=True)
@@ -165,10 +166,11 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
             if which == "chat":
                 chat = request.chat
                 add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-                ids = self.service.chat_prompt([{"role": m.role, "content": m.content} for m in chat.messages], add)
+                messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+                ids = await asyncio.to_thread(self.service.chat_prompt, messages, add)
             else:
                 special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = self.service.tokenize_text(request.text, special)
+                ids = await asyncio.to_thread(self.service.tokenize_text, request.text, special)
         except Exception as e:  # noqa: BLE001
             await self._fail(context, e)
         return pb.TokenizeResponse(token_ids=ids, max_seq_len=self.service.llm.engine.scheduler_config.max_seq_len)

@@ -226,10 +226,11 @@ class OpenAIServer:
             if body.messages is not None and body.prompt is not None:
                 raise ValueError("prompt and messages: send one or the other, not both")
             if body.messages is not None:
-                ids = self.service.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages],
-                                               body.add_generation_prompt)
+                ids = await asyncio.to_thread(self.service.chat_prompt,
+                                              [{"role": m.role, "content": m.text()} for m in body.messages],
+                                              body.add_generation_prompt)
             elif body.prompt is not None:
-                ids = self.service.tokenize_text(body.prompt, body.add_special_tokens)
+                ids = await asyncio.to_thread(self.service.tokenize_text, body.prompt, body.add_special_tokens)
             else:
                 raise ValueError("prompt or messages is required")
         except Exception as e:  # noqa: BLE001
@@ -308,7 +309,8 @@ class OpenAIServer:
                 if body.echo else None
             rooms = [None] * len(prompts)
             if body.max_tokens is None:   # a null max_tokens: what is left after each prompt (vLLM)
-                prompts = [self.service.tokenize_text(p) if isinstance(p, str) else p for p in prompts]
+                prompts = [await asyncio.to_thread(self.service.tokenize_text, p) if isinstance(p, str) else p
+                           for p in prompts]
                 rooms = [self.service.llm.engine.max_model_len - len(p) for p in prompts]
             params = [self.service.sampling_params(body.sampling_values(room)) for room in rooms]
         except Exception as e:  # noqa: BLE001
@@ -321,7 +323,7 @@ class OpenAIServer:
     async def chat(self, body: oa.ChatCompletionRequest, request: Request):
         try:
             self._check_model(body.model)
-            ids = self.service.chat_prompt(body.message_dicts(), body.add_generation_prompt)
+            ids = await asyncio.to_thread(self.service.chat_prompt, body.message_dicts(), body.add_generation_prompt)
             engine = self.service.llm.engine
             values = body.sampling_values(engine.max_model_len - len(ids))
             if body.max_completion_tokens is not None:   # the engine's check, naming the field as sent

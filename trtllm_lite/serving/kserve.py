@@ -210,7 +210,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
-            ereq, params = self._parse(request, infer=True)
+            ereq, params = await asyncio.to_thread(self._parse, request, True)
             acc = await self.service.generate_all(ereq.prompt, params, uuid.uuid4().hex, context.time_remaining(),
                                                   cache_salt=ereq.cache_salt)
         except NotFoundError as e:
@@ -224,7 +224,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     async def _stream_one(self, request, timeout: float | None = None):
         """Responses of one request of a stream (``ModelStreamInferResponse``); ``timeout``:
         seconds left of the stream's deadline when the request came (None: none)."""
-        ereq, params = self._parse(request)
+        ereq, params = await asyncio.to_thread(self._parse, request)
         empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
             if "triton_enable_empty_final_response" in request.parameters else False
         acc = Accumulator()
