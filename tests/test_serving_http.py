@@ -665,6 +665,30 @@ def test_refused_http_requests_are_counted_like_grpc_ones(server):
     assert refused() == before + len(bad)
 
 
+def test_a_completions_batch_refused_by_one_prompt_counts_once(server, grpc_client):
+    """A batch whose second prompt the engine refuses is one 400 and one invalid_argument
+    outcome, streamed or not: the prompts the server ends with it are not counted as
+    cancelled (the client cancelled nothing; they were counted so before: QA), and every KV
+    block comes back."""
+    base = f"http://{server.http}"
+
+    def outcomes():
+        body = httpx.get(f"{base}/metrics", timeout=30).text
+        prefix = 'trtllm_lite_request_outcomes_total{outcome="'
+        return {x[len(prefix):].split('"')[0]: float(x.split(" ")[1])
+                for x in body.splitlines() if x.startswith(prefix)}
+
+    for stream in (False, True):
+        before = outcomes()
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "prompt": [[1, 2, 3] * 40, [1, 10 ** 6]], "max_tokens": 64, "stream": stream})
+        assert r.status_code == 400 and "outside the vocabulary" in r.text
+        after = outcomes()
+        delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+        assert delta == {"invalid_argument": 1.0}, (stream, delta)
+        assert wait_until(lambda: idle_blocks(grpc_client), 30)
+
+
 def test_grpc_and_http_share_one_engine(server, grpc_client, smollm2_llm):
     ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=48, temperature=0.0))[0].outputs[0]
     got = {}

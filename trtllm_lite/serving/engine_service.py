@@ -59,6 +59,22 @@ def classify(error: BaseException) -> ErrorKind:
     return ErrorKind.INTERNAL
 
 
+class RequestBatch:
+    """The requests one client call started together (an HTTP completions request's prompts).
+
+    When one of them fails, the call fails with that error and the server ends the others:
+    :meth:`fail` says so, and those others are then not counted in the request outcomes (the
+    failed one counts the call's error once, as a call refused before any prompt started
+    would), rather than as ``cancelled``: the client cancelled nothing.
+    """
+
+    def __init__(self):
+        self.failed = False
+
+    def fail(self) -> None:
+        self.failed = True
+
+
 @dataclass
 class SequenceResult:
     """One sequence's accumulated output."""
@@ -181,8 +197,8 @@ class EngineService:
         return min(limits) if limits else None
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       timeout: float | None = None, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       timeout: float | None = None, cache_salt: str | None = None,
+                       batch: RequestBatch | None = None) -> AsyncIterator[RequestOutput]:
         """``AsyncLLM.generate`` with metrics; same deltas, same exceptions.
 
         Close it (``contextlib.aclosing``) or cancel its consumer to abort the request. A
@@ -190,7 +206,8 @@ class EngineService:
         deadline it sends up, and the client cancels at its own) counts as ``deadline_exceeded``,
         not ``cancelled``: gRPC cancels the handler at the client's deadline just as the
         request's own timer fires, and which one comes first is chance. Each request's outcome
-        is counted once: closing it after its finished output was yielded adds nothing.
+        is counted once: closing it after its finished output was yielded adds nothing, and
+        ending it because another request of its ``batch`` failed adds nothing either.
         """
         outcome = "internal"
         last_token_time = None
@@ -212,6 +229,8 @@ class EngineService:
                         self.metrics.record_finished(acc)
                     yield out
         except (asyncio.CancelledError, GeneratorExit):
+            if batch is not None and batch.failed:   # the batch's error is counted where it was raised
+                outcome = None
             if outcome is not None:   # a request closed after its last output was counted then
                 # the caller read its deadline (as time remaining) a moment before ``deadline`` was set
                 past_deadline = deadline is not None and \
@@ -227,10 +246,11 @@ class EngineService:
                 self.metrics.record_failed(outcome)
 
     async def generate_all(self, prompt, params: SamplingParams, request_id: str | None = None,
-                           timeout: float | None = None, cache_salt: str | None = None) -> Accumulator:
+                           timeout: float | None = None, cache_salt: str | None = None,
+                           batch: RequestBatch | None = None) -> Accumulator:
         """Run a request to the end; return its accumulated result."""
         acc = Accumulator()
-        async with aclosing(self.generate(prompt, params, request_id, timeout, cache_salt)) as gen:
+        async with aclosing(self.generate(prompt, params, request_id, timeout, cache_salt, batch)) as gen:
             async for out in gen:
                 acc.add(out)
         return acc

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_protocol as oa
-from .engine_service import Accumulator, EngineService, classify, position_logprobs
+from .engine_service import Accumulator, EngineService, RequestBatch, classify, position_logprobs
 
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 _GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -120,8 +120,9 @@ async def until_disconnected(request: Request, coro):
     return work.result()
 
 
-async def merged(gens: list):
-    """Items of several async generators as they come: ``(generator index, item)``."""
+async def merged(gens: list, batch: RequestBatch | None = None):
+    """Items of several async generators as they come: ``(generator index, item)``; the first
+    error ends them all (``batch`` is marked failed first)."""
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 
@@ -142,6 +143,8 @@ async def merged(gens: list):
             if item is end:
                 left -= 1
             elif isinstance(item, BaseException):
+                if batch is not None and not isinstance(item, asyncio.CancelledError):
+                    batch.fail()
                 raise item
             else:
                 yield i, item
@@ -245,16 +248,18 @@ class OpenAIServer:
             return error_response(e)
 
     # -- generation -----------------------------------------------------------------------
-    async def _start(self, prompts: list, params: list, rid: str, cache_salt: str | None):
+    async def _start(self, prompts: list, params: list, rid: str, cache_salt: str | None, batch: RequestBatch):
         """Start one request per prompt (``params[i]`` for ``prompts[i]``) and wait for each
         one's first delta, so that bad input, a full queue or a shutdown is an HTTP error before
         any byte is streamed."""
-        gens = [self.service.generate(p, params[i], f"{rid}-{i}", cache_salt=cache_salt)
+        gens = [self.service.generate(p, params[i], f"{rid}-{i}", cache_salt=cache_salt, batch=batch)
                 for i, p in enumerate(prompts)]
         tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
         try:
             firsts = await asyncio.gather(*tasks)
-        except BaseException:
+        except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError):   # one prompt failed: the batch did
+                batch.fail()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -268,19 +273,22 @@ class OpenAIServer:
         rid = ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
         fmt = ResponseFormat(self.service, body, kind, rid, created, params[0].n, prompt_texts)
+        batch = RequestBatch()
         if body.stream:
-            gens, firsts = await self._start(prompts, params, rid, body.cache_salt)
-            return StreamingResponse(fmt.stream(gens, firsts), media_type="text/event-stream",
+            gens, firsts = await self._start(prompts, params, rid, body.cache_salt, batch)
+            return StreamingResponse(fmt.stream(gens, firsts, batch), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
         async def run_all():
             tasks = [asyncio.ensure_future(self.service.generate_all(p, params[i], f"{rid}-{i}",
-                                                                      cache_salt=body.cache_salt))
+                                                                      cache_salt=body.cache_salt, batch=batch))
                      for i, p in enumerate(prompts)]
             try:
                 return await asyncio.gather(*tasks)
-            except BaseException:
+            except BaseException as e:
                 # one prompt failed (or the client left): end every prompt of the batch
+                if not isinstance(e, asyncio.CancelledError):
+                    batch.fail()
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -426,7 +434,7 @@ class ResponseFormat:
         extra = {"prompt_logprobs": prompt_logprobs_json(accs[0].last)} if self.kind == "chat" else {}
         return {**self._base(False), "choices": choices, "usage": self.usage(accs), **extra}
 
-    async def stream(self, gens, firsts):
+    async def stream(self, gens, firsts, batch: RequestBatch | None = None):
         accs = [Accumulator() for _ in gens]
         started: set[int] = set()
         try:
@@ -434,7 +442,7 @@ class ResponseFormat:
                 for chunk in self._chunks(i, out, accs[i], started):
                     yield chunk
             async with _closing_all(gens):
-                async for i, out in merged(gens):
+                async for i, out in merged(gens, batch):
                     for chunk in self._chunks(i, out, accs[i], started):
                         yield chunk
             if self.body.include_usage:
