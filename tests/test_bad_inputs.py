@@ -53,6 +53,24 @@ def test_numpy_scalars_are_accepted_as_python_numbers():
                                           (p.stop_token_ids[0], int), (p.ignore_eos, bool)))
 
 
+def test_stop_token_ids_are_kept_once_each_and_errors_abridge_the_value(smollm2_llm):
+    """Each stop token id is kept once, in order: the engine looks every generated token up in
+    the list, and a million repeats of one id cost ~10 ms a token there (QA). A refused value
+    is abridged in the message, not echoed whole. A repeated id still stops generation."""
+    p = SamplingParams(stop_token_ids=[7, 3] * 500_000 + [9])
+    assert p.stop_token_ids == [7, 3, 9]
+    with pytest.raises(ValueError, match="stop_token_ids must be non-negative integers") as err:
+        SamplingParams(stop_token_ids=[-1] * 1_000_000)
+    assert len(str(err.value)) < 200
+    prompt = [1, 2, 3, 4]
+    free = smollm2_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    third = free[0].outputs[0].token_ids[2]
+    out = smollm2_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                        stop_token_ids=[third] * 100_000))[0].outputs[0]
+    assert out.token_ids == free[0].outputs[0].token_ids[:3] and out.finish_reason == "stop"
+    assert out.stop_reason == third
+
+
 def test_abort_frees_blocks_at_every_stage(smollm2_llm):
     engine = smollm2_llm.engine
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import reprlib
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -83,8 +84,8 @@ class SamplingParams:
         self._check()
 
     def _check(self) -> None:
-        def bad(name, why):
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name, why):   # the value abridged: a list of a million ids is not echoed whole
+            raise ValueError(f"{name} {why}, got {reprlib.repr(getattr(self, name))}")
 
         def is_int(v):
             return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
@@ -132,9 +133,15 @@ class SamplingParams:
             check_unicode(s, "stop")
         if any(not isinstance(s, str) or not s.strip() for s in self.bad_words):
             bad("bad_words", "must be non-empty strings")
-        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+        # each id once, in order: the engine looks every generated token up in this list, and a
+        # million repeats of one id cost ~10 ms a token there (and ~1.7 s of checks here; QA)
+        try:
+            distinct = list(dict.fromkeys(self.stop_token_ids))
+        except TypeError:   # unhashable: not an integer
             bad("stop_token_ids", "must be non-negative integers")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if any(not is_int(t) or t < 0 for t in distinct):
+            bad("stop_token_ids", "must be non-negative integers")
+        self.stop_token_ids = [int(t) for t in distinct]
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
