@@ -410,7 +410,8 @@ def bad_words_over_the_limit(llm) -> list[str]:
     ("Paris", "bad_words: "),                       # a string, not a list of strings
     ([5], "bad_words.0: "),
     ([["Paris"]], "bad_words.0: "),
-    ([""], "bad_words must be non-empty strings"),
+    ([""], "bad_words must be non-empty strings, not only spaces"),
+    ([" "], "bad_words must be non-empty strings, not only spaces"),   # said "non-empty" alone
     ("over the limit", "bad_words have "),           # refused before it is tokenized, as over gRPC
 ])
 def test_bad_bad_words_are_400_naming_them(server, smollm2_llm, route, bad_words, message):

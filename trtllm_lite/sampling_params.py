@@ -132,7 +132,7 @@ class SamplingParams:
         for s in self.stop:   # a lone surrogate (JSON's "\\ud800") never matches any text
             check_unicode(s, "stop")
         if any(not isinstance(s, str) or not s.strip() for s in self.bad_words):
-            bad("bad_words", "must be non-empty strings")
+            bad("bad_words", "must be non-empty strings, not only spaces")
         # each id once, in order: the engine looks every generated token up in this list, and a
         # million repeats of one id cost ~10 ms a token there (and ~1.7 s of checks here; QA)
         try:
