@@ -739,7 +739,7 @@ def test_pool_smaller_than_max_seq_len_limits_max_model_len(smollm2_engine):
 @pytest.fixture(scope="module")
 def secure(smollm2_engine, tls_files):
     cert, key = tls_files
-    s = ServerProcess(smollm2_engine, *ENGINE_ARGS, "--max-num-seqs", "1", "--max-waiting-requests", "1",
+    s = ServerProcess(smollm2_engine, *ENGINE_ARGS, "--max-num-seqs", "1", "--max-waiting-requests", "2",
                       "--tls-cert", cert, "--tls-key", key, "--shutdown-grace", "90",
                       env={"TRTLLM_LITE_API_KEY": "k3y"})
     yield s, cert
@@ -778,6 +778,43 @@ def test_queue_full_is_429(secure):
     with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=60, headers={"Authorization": "Bearer k3y"}) as h:
         r = h.post(url, json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200
+
+
+def test_a_batch_with_too_little_room_in_the_queue_is_429_and_queues_nothing(secure):
+    """One request running and one waiting (max_waiting_requests 2): a batch of two prompts is
+    a 429 before either is queued, counted once as resource_exhausted. Before, the prompt that
+    fit was queued (a place other clients were refused meanwhile), then ended with the batch
+    and counted as cancelled (QA)."""
+    server, cert = secure
+    base = f"https://{server.http}"
+    long = {"model": "smollm2", "prompt": "Write an essay.", "max_tokens": 100, "ignore_eos": True}
+
+    def outcomes(h):
+        prefix = 'trtllm_lite_request_outcomes_total{outcome="'
+        return {x[len(prefix):].split('"')[0]: float(x.split(" ")[1])
+                for x in h.get(f"{base}/metrics").text.splitlines() if x.startswith(prefix)}
+
+    async def run():
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=cert), timeout=120,
+                                     headers={"Authorization": "Bearer k3y"}) as h:
+            first = asyncio.ensure_future(h.post(f"{base}/v1/completions", json=long))
+            second = asyncio.ensure_future(h.post(f"{base}/v1/completions", json=long))
+            while "trtllm_lite_num_requests_waiting 1.0" not in (await h.get(f"{base}/metrics")).text:
+                await asyncio.sleep(0.05)
+            batch = await h.post(f"{base}/v1/completions", json={**long, "prompt": ["a", "b"]})
+            waiting = (await h.get(f"{base}/metrics")).text
+            await asyncio.gather(first, second)
+            return batch, waiting
+
+    with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=60,
+                      headers={"Authorization": "Bearer k3y"}) as h:
+        before = outcomes(h)
+        batch, waiting = asyncio.run(run())
+        after = outcomes(h)
+    assert batch.status_code == 429 and "room for 1 requests, and prompt has 2 prompts" in batch.text
+    assert "trtllm_lite_num_requests_waiting 1.0" in waiting
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert delta == {"resource_exhausted": 1.0, "length": 2.0}, delta
 
 
 def test_shutdown_finishes_in_flight_and_refuses_new_with_503(secure):

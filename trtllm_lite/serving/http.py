@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..async_llm import QueueFullError
 from . import openai_protocol as oa
 from .engine_service import Accumulator, EngineService, RequestBatch, classify, position_logprobs
 
@@ -317,6 +318,12 @@ class OpenAIServer:
                 # taken whole, and starting each (20,000 of them) held the event loop ~14 s
                 raise ValueError(f"prompt has {len(prompts)} prompts: more than max_waiting_requests "
                                  f"({limit}) can queue at once")
+            waiting = self.service.llm.num_waiting_requests()
+            if limit is not None and len(prompts) > 1 and waiting + len(prompts) > limit:
+                # all or none: queueing the prompts that fit, then ending them with the batch,
+                # held places in the queue that other clients were refused meanwhile (QA)
+                raise QueueFullError(f"waiting queue has room for {max(limit - waiting, 0)} requests, "
+                                     f"and prompt has {len(prompts)} prompts")
             texts = [p if isinstance(p, str) else self.service.tokenizer.decode(p) for p in prompts] \
                 if body.echo else None
             rooms = [None] * len(prompts)
