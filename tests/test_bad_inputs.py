@@ -71,6 +71,16 @@ def test_stop_token_ids_are_kept_once_each_and_errors_abridge_the_value(smollm2_
     assert out.stop_reason == third
 
 
+@pytest.mark.parametrize("ids", [[1, True], [True, 1], [1, 1.0], [1.0, 1], [3, np.True_], [3, np.float64(3.0)],
+                                 [7] * 100_000 + [7.0]])
+def test_stop_token_ids_refuse_a_non_integer_equal_to_an_earlier_id(ids):
+    """Keeping each id once must not skip checking the repeats: True and 1.0 equal 1, and
+    [1, True] / [1, 1.0] were accepted (kept as [1]) while [True, 1] / [1.0] were refused (QA)."""
+    with pytest.raises(ValueError, match="stop_token_ids must be non-negative integers"):
+        SamplingParams(stop_token_ids=ids)
+    assert SamplingParams(stop_token_ids=[np.int64(3), 3, 2]).stop_token_ids == [3, 2]
+
+
 def test_abort_frees_blocks_at_every_stage(smollm2_llm):
     engine = smollm2_llm.engine
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)

@@ -139,7 +139,12 @@ class SamplingParams:
             distinct = list(dict.fromkeys(self.stop_token_ids))
         except TypeError:   # unhashable: not an integer
             bad("stop_token_ids", "must be non-negative integers")
-        if any(not is_int(t) or t < 0 for t in distinct):
+        # every item's type counts, not only the first of equal ones' (True == 1.0 == 1: [1, True]
+        # and [1, 1.0] were kept as [1] while [True, 1] and [1.0] were refused); a set of types is
+        # cheap for a million ids
+        kinds = set(map(type, self.stop_token_ids))
+        if any(not issubclass(k, numbers.Integral) or issubclass(k, (bool, np.bool_)) for k in kinds) \
+                or any(t < 0 for t in distinct):
             bad("stop_token_ids", "must be non-negative integers")
         self.stop_token_ids = [int(t) for t in distinct]
         for name in ("logprobs", "prompt_logprobs"):
