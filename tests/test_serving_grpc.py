@@ -569,3 +569,39 @@ def test_a_long_text_prompt_is_tokenized_while_the_event_loop_runs(local_llm):
 
     longest, took = asyncio.run(run())
     assert longest < took / 2, (longest, took)
+
+
+def test_a_drain_waits_for_a_request_being_tokenized(smollm2_engine):
+    """A request still being tokenized on its worker thread when the engine stops accepting
+    (SIGTERM) came before it: the drain waits for it and it is served, as one already in the
+    engine is. It was refused (503 / UNAVAILABLE, or HTTP 500 once uvicorn's own grace ran out)
+    and the drain returned at once, not counting it (QA 15). A request that starts after the
+    drain began is still refused."""
+    import random
+
+    from trtllm_lite.async_llm import AsyncLLM, ShuttingDownError
+
+    rng = random.Random(1)
+    # ~1-2 s of tokenizing within check_words_length's limits (this engine: 1024 words, 331k characters)
+    words = ["".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(320)) for _ in range(1000)]
+    llm = AsyncLLM(smollm2_engine, num_threads=2, num_kv_blocks=64)
+    try:
+        async def run():
+            async def one():
+                outs = [o async for o in llm.generate("Hello", SamplingParams(max_tokens=2, bad_words=words))]
+                return outs[-1].finished
+
+            task = asyncio.create_task(one())
+            await asyncio.sleep(0.2)                 # on its worker thread now
+            assert llm.num_in_flight() == 1
+            drained = await llm.drain(60)
+            with pytest.raises(ShuttingDownError):
+                async for _ in llm.generate("Hello", SamplingParams(max_tokens=2)):
+                    pass
+            return await task, drained
+
+        finished, drained = asyncio.run(run())
+        assert finished and drained
+        assert llm.num_in_flight() == 0
+    finally:
+        llm.shutdown()

@@ -128,6 +128,8 @@ class AsyncLLM:
         self._streams: dict[str, tuple[RequestStream, object]] = {}
         self._aborting: set[str] = set()   # ids whose consumer left and whose abort is queued
         self._abort_requested: set[str] = set()   # ids abort() was called for, until their stream ends
+        self._preparing = 0        # requests being tokenized on a worker thread (not in _streams yet)
+        self._abort_all_count = 0  # abort_all() calls: a request tokenized across one is refused
         self._error: BaseException | None = None
         self._accepting = True
         self._stopped = False
@@ -177,10 +179,22 @@ class AsyncLLM:
         self._check_accepting()
         deadline = None if timeout is None else time.monotonic() + timeout
         # tokenizing (the prompt, bad_words) runs on a worker thread, where it releases the GIL:
-        # on the event loop, a long prompt stopped every other request's stream while it ran
-        request = await asyncio.to_thread(self.engine.make_request, prompt, sampling_params,
-                                          request_id or uuid.uuid4().hex, cache_salt)
-        self._check_accepting()   # it may have stopped while the request was tokenized
+        # on the event loop, a long prompt stopped every other request's stream while it ran.
+        # It came before the engine stopped accepting, so a drain waits for it (a SIGTERM while
+        # it was tokenized refused it with 503 / UNAVAILABLE, or HTTP 500 once uvicorn's own
+        # grace ran out; QA 15); it is refused only if the engine stopped, or the drain ended in
+        # an abort_all, meanwhile
+        aborts = self._abort_all_count
+        self._preparing += 1
+        try:
+            request = await asyncio.to_thread(self.engine.make_request, prompt, sampling_params,
+                                              request_id or uuid.uuid4().hex, cache_salt)
+        finally:
+            self._preparing -= 1
+        if self._error is not None:
+            raise EngineDeadError(f"engine stopped: {self._error!r}")
+        if self._stopped or (not self._accepting and self._abort_all_count != aborts):
+            raise ShuttingDownError("the engine is shutting down and accepts no new requests")
         rid = request.request_id
         if rid in self._streams or rid in self._aborting:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -227,8 +241,8 @@ class AsyncLLM:
         return request_id in self._streams
 
     def num_in_flight(self) -> int:
-        """Requests accepted and not finished (waiting, running, or being queued)."""
-        return len(self._streams)
+        """Requests accepted and not finished (being tokenized, waiting, running, or being queued)."""
+        return len(self._streams) + self._preparing
 
     def num_waiting_requests(self) -> int:
         """Requests accepted but not scheduled yet (including those still being queued)."""
@@ -244,6 +258,7 @@ class AsyncLLM:
 
     def abort_all(self) -> None:
         """Abort every request in the engine; each stream ends with finish reason 'abort'."""
+        self._abort_all_count += 1
         self._commands.put(("abort_all", None))
 
     def stop_accepting(self) -> None:
@@ -251,13 +266,13 @@ class AsyncLLM:
         self._accepting = False
 
     async def drain(self, timeout: float) -> bool:
-        """Stop accepting, then wait up to ``timeout`` s for in-flight requests to finish.
-        Returns True if none is left."""
+        """Stop accepting, then wait up to ``timeout`` s for in-flight requests (those being
+        tokenized too) to finish. Returns True if none is left."""
         self.stop_accepting()
         end = time.monotonic() + timeout
-        while self._streams and time.monotonic() < end:
+        while (self._streams or self._preparing) and time.monotonic() < end:
             await asyncio.sleep(0.02)
-        return not self._streams
+        return not self._streams and not self._preparing
 
     def shutdown(self) -> None:
         """Stop the engine thread (in-flight requests are aborted)."""
