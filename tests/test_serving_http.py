@@ -847,3 +847,47 @@ def test_shutdown_finishes_in_flight_and_refuses_new_with_503(secure):
     assert health.status_code == 503
     assert done == {"finish": "length", "last": "data: [DONE]"}
     assert server.wait(60) == 0
+
+
+def test_a_long_tokenize_answer_does_not_hold_the_event_loop(smollm2_engine):
+    """/tokenize of text within the character limit may answer ~1.8M token ids: the answer is
+    encoded on a worker thread (FastAPI's jsonable_encoder held the event loop ~5 s on them, every
+    stream and /health waited, after the tokenizing itself had been moved off it; QA 15)."""
+    import random
+
+    from trtllm_lite.async_llm import AsyncLLM
+    from trtllm_lite.serving.engine_service import EngineService
+    from trtllm_lite.serving.http import OpenAIServer
+    from trtllm_lite.serving.metrics import Metrics
+
+    rng = random.Random(0)
+    llm = AsyncLLM(smollm2_engine, num_threads=2, num_kv_blocks=64)
+    limit = llm.engine.scheduler_config.max_seq_len * llm.tokenizer.max_chars_per_token
+    text = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(limit - 10))
+    app = OpenAIServer(EngineService(llm, "m", Metrics())).app
+    try:
+        async def run():
+            gaps, done = [], asyncio.Event()
+
+            async def tick():
+                last = time.perf_counter()
+                while not done.is_set():
+                    await asyncio.sleep(0.001)
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+
+            ticker = asyncio.create_task(tick())
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                start = time.perf_counter()
+                r = await c.post("/tokenize", json={"prompt": text}, timeout=120)
+                took = time.perf_counter() - start
+            done.set()
+            await ticker
+            return r, max(gaps), took
+
+        r, longest, took = asyncio.run(run())
+        assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 500_000
+        assert longest < took / 4, (longest, took)
+    finally:
+        llm.shutdown()
