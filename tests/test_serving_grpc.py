@@ -270,6 +270,25 @@ def test_deadline_exceeded_is_counted_as_such_not_as_cancelled(server, client):
     assert wait_until(lambda: idle_blocks(client), timeout=10)
 
 
+def test_a_deadline_while_a_chat_is_tokenized_is_counted(server, client):
+    """A chat's template is tokenized before the request reaches the engine (on the tokenizing
+    threads); a deadline that passes meanwhile is DEADLINE_EXCEEDED and counted once as such.
+    It was not counted at all (QA 15), nor a KServe request's (counted invalid_argument)."""
+    import random
+
+    rng = random.Random(1)
+    text = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(300_000))   # ~1 s to tokenize
+    before = outcomes(server)
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete(messages=[{"role": "user", "content": text}], max_tokens=4, timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    delta = lambda: {k: v - before.get(k, 0) for k, v in outcomes(server).items() if v != before.get(k, 0)}  # noqa: E731
+    assert wait_until(lambda: delta(), timeout=10)
+    time.sleep(2.0)   # the tokenizing thread finishes and refuses the prompt: nothing more is counted
+    assert delta() == {"deadline_exceeded": 1.0}
+    assert wait_until(lambda: idle_blocks(client), timeout=10)
+
+
 # -- model info, tokenizer, health, reflection, metrics ----------------------------------------
 def test_model_info_and_tokenizer(client, smollm2_llm):
     info = client.model_info()

@@ -669,8 +669,9 @@ def test_refused_http_requests_are_counted_like_grpc_ones(server):
 def test_a_completions_batch_refused_by_one_prompt_counts_once(server, grpc_client):
     """A batch whose second prompt the engine refuses is one 400 and one invalid_argument
     outcome, streamed or not: the prompts the server ends with it are not counted as
-    cancelled (the client cancelled nothing; they were counted so before: QA), and every KV
-    block comes back."""
+    cancelled (the client cancelled nothing; they were counted so before: QA), nor as
+    finished when the refused prompt took longer to tokenize than they took to finish (QA 15),
+    and every KV block comes back."""
     base = f"http://{server.http}"
 
     def outcomes():
@@ -679,11 +680,18 @@ def test_a_completions_batch_refused_by_one_prompt_counts_once(server, grpc_clie
         return {x[len(prefix):].split('"')[0]: float(x.split(" ")[1])
                 for x in body.splitlines() if x.startswith(prefix)}
 
-    for stream in (False, True):
+    import random
+
+    rng = random.Random(2)
+    slow = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(300_000))   # ~1 s to tokenize
+    cases = [([[1, 2, 3] * 40, [1, 10 ** 6]], 64, "outside the vocabulary"),
+             # refused after the first prompt has finished (held, then not counted as length)
+             (["Hi", slow], 1, "more than max_seq_len")]
+    for (prompts, max_tokens, message), stream in [(c, s) for c in cases for s in (False, True)]:
         before = outcomes()
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={
-            "prompt": [[1, 2, 3] * 40, [1, 10 ** 6]], "max_tokens": 64, "stream": stream})
-        assert r.status_code == 400 and "outside the vocabulary" in r.text
+            "prompt": prompts, "max_tokens": max_tokens, "stream": stream})
+        assert r.status_code == 400 and message in r.text
         after = outcomes()
         delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
         assert delta == {"invalid_argument": 1.0}, (stream, delta)

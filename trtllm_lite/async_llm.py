@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import os
 import queue
 import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from .core.llm_engine import LLMEngine
@@ -135,12 +138,28 @@ class AsyncLLM:
         self._stopped = False
         self.num_step_errors = 0
         self._stats = self._snapshot()
+        # tokenizing threads of their own (the tokenizer releases the GIL): long prompts queue
+        # here, not in asyncio's default executor, where responses are encoded
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                                  thread_name_prefix="trtllm-lite-tokenize")
         self._thread = threading.Thread(target=self._loop, name="trtllm-lite-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, **options) -> "AsyncLLM":
         return cls(engine=engine, **options)
+
+    async def tokenizing(self, fn, *args):
+        """``fn(*args)`` on the tokenizing threads, off the event loop: for work that tokenizes
+        text (prompts, chat templates, bad words), which releases the GIL while it runs."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
+
+    @staticmethod
+    def _tokenizes(prompt, params: SamplingParams | None) -> bool:
+        """Whether building the request tokenizes text (else it is cheap: token ids)."""
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        return isinstance(prompt, str) or bool(params is not None and getattr(params, "bad_words", None))
 
     @property
     def tokenizer(self):
@@ -185,12 +204,16 @@ class AsyncLLM:
         # grace ran out; QA 15); it is refused only if the engine stopped, or the drain ended in
         # an abort_all, meanwhile
         aborts = self._abort_all_count
-        self._preparing += 1
-        try:
-            request = await asyncio.to_thread(self.engine.make_request, prompt, sampling_params,
-                                              request_id or uuid.uuid4().hex, cache_salt)
-        finally:
-            self._preparing -= 1
+        request_id = request_id or uuid.uuid4().hex
+        if not self._tokenizes(prompt, sampling_params):   # token ids: no thread hop
+            request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt)
+        else:
+            self._preparing += 1
+            try:
+                request = await self.tokenizing(self.engine.make_request, prompt, sampling_params,
+                                                request_id, cache_salt)
+            finally:
+                self._preparing -= 1
         if self._error is not None:
             raise EngineDeadError(f"engine stopped: {self._error!r}")
         if self._stopped or (not self._accepting and self._abort_all_count != aborts):
@@ -280,6 +303,7 @@ class AsyncLLM:
         self._stopped = True
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- engine thread --------------------------------------------------------------------
     def _snapshot(self) -> dict:

@@ -65,14 +65,42 @@ class RequestBatch:
     When one of them fails, the call fails with that error and the server ends the others:
     :meth:`fail` says so, and those others are then not counted in the request outcomes (the
     failed one counts the call's error once, as a call refused before any prompt started
-    would), rather than as ``cancelled``: the client cancelled nothing.
+    would), rather than as ``cancelled``: the client cancelled nothing. Requests that finish
+    before the call's fate is known (:meth:`commit`: every prompt started and answered) are
+    held, and counted only if it succeeds: a prompt refused after the others finished (its
+    text took longer to tokenize) gave a 400 counted as that error and as their ``length``.
     """
 
     def __init__(self):
         self.failed = False
+        self.committed = False
+        self._held: list[tuple] = []
+
+    def finished(self, record, acc: "Accumulator") -> None:
+        """``record(acc)`` (a finished request's count) now, or at :meth:`commit`."""
+        if self.committed:
+            record(acc)
+        elif not self.failed:
+            self._held.append((record, acc))
+
+    def commit(self) -> None:
+        """The call succeeded (every prompt started): count what was held, and later finishes."""
+        self.committed = True
+        held, self._held = self._held, []
+        for record, acc in held:
+            record(acc)
 
     def fail(self) -> None:
         self.failed = True
+        self._held.clear()
+
+    def end(self, error: BaseException) -> None:
+        """The call ends with ``error``: a cancellation (the client left: what finished before
+        counts, the rest as ``cancelled``), or a prompt's failure (:meth:`fail`)."""
+        if isinstance(error, asyncio.CancelledError):
+            self.commit()
+        else:
+            self.fail()
 
 
 @dataclass
@@ -196,6 +224,28 @@ class EngineService:
         limits = [t for t in (client_timeout, self.request_timeout) if t is not None]
         return min(limits) if limits else None
 
+    @staticmethod
+    def _cancel_outcome(deadline: float | None, limit: float | None) -> str:
+        """The outcome of a request cancelled now: ``deadline_exceeded`` once its deadline has
+        passed, or within 1% + 5 ms of it (see :meth:`generate`), else ``cancelled``."""
+        # the caller read its deadline (as time remaining) a moment before ``deadline`` was set
+        past = deadline is not None and \
+            time.monotonic() >= deadline - _DEADLINE_SLACK - _DEADLINE_SLACK_RATIO * limit
+        return "deadline_exceeded" if past else "cancelled"
+
+    async def prepare(self, fn, *args, timeout: float | None = None):
+        """``fn(*args)``, work that tokenizes a generation request's text before
+        :meth:`generate` (a chat template, KServe's tensors), on the engine's tokenizing threads.
+        A request cancelled meanwhile (the client left, or ``timeout`` s passed: its deadline)
+        is counted in the request outcomes here, as :meth:`generate` would count it. Errors
+        propagate uncounted: the caller counts its refusals."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            return await self.llm.tokenizing(fn, *args)
+        except asyncio.CancelledError:
+            self.metrics.record_failed(self._cancel_outcome(deadline, timeout))
+            raise
+
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
                        timeout: float | None = None, cache_salt: str | None = None,
                        batch: RequestBatch | None = None) -> AsyncIterator[RequestOutput]:
@@ -226,16 +276,16 @@ class EngineService:
                     acc.add(out)
                     if out.finished:
                         outcome = None
-                        self.metrics.record_finished(acc)
+                        if batch is None:
+                            self.metrics.record_finished(acc)
+                        else:
+                            batch.finished(self.metrics.record_finished, acc)
                     yield out
         except (asyncio.CancelledError, GeneratorExit):
             if batch is not None and batch.failed:   # the batch's error is counted where it was raised
                 outcome = None
             if outcome is not None:   # a request closed after its last output was counted then
-                # the caller read its deadline (as time remaining) a moment before ``deadline`` was set
-                past_deadline = deadline is not None and \
-                    time.monotonic() >= deadline - _DEADLINE_SLACK - _DEADLINE_SLACK_RATIO * limit
-                outcome = "deadline_exceeded" if past_deadline else "cancelled"
+                outcome = self._cancel_outcome(deadline, limit)
             raise
         except BaseException as e:
             if outcome is not None:

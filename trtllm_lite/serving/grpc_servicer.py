@@ -1,7 +1,6 @@
 """The ``trtllm_lite.v1.LLMService`` servicer (``protos/llm_service.proto``) on ``grpc.aio``."""
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 
@@ -117,7 +116,10 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
-            prompt = await asyncio.to_thread(self._prompt, request)   # a chat is tokenized there
+            if request.WhichOneof("prompt") == "chat":   # the template's text is tokenized
+                prompt = await self.service.prepare(self._prompt, request, timeout=context.time_remaining())
+            else:   # text is tokenized by generate; token ids need no thread
+                prompt = self._prompt(request)
             params = self.service.sampling_params(check_seed(sampling_values(request.sampling_params)))
         except Exception as e:  # noqa: BLE001 - every request error becomes a status
             await self._fail(context, e, record=True)
@@ -167,10 +169,10 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
                 chat = request.chat
                 add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
                 messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-                ids = await asyncio.to_thread(self.service.chat_prompt, messages, add)
+                ids = await self.service.llm.tokenizing(self.service.chat_prompt, messages, add)
             else:
                 special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = await asyncio.to_thread(self.service.tokenize_text, request.text, special)
+                ids = await self.service.llm.tokenizing(self.service.tokenize_text, request.text, special)
         except Exception as e:  # noqa: BLE001
             await self._fail(context, e)
         return pb.TokenizeResponse(token_ids=ids, max_seq_len=self.service.llm.engine.scheduler_config.max_seq_len)

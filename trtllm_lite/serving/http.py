@@ -144,8 +144,8 @@ async def merged(gens: list, batch: RequestBatch | None = None):
             if item is end:
                 left -= 1
             elif isinstance(item, BaseException):
-                if batch is not None and not isinstance(item, asyncio.CancelledError):
-                    batch.fail()
+                if batch is not None:
+                    batch.end(item)
                 raise item
             else:
                 yield i, item
@@ -230,11 +230,12 @@ class OpenAIServer:
             if body.messages is not None and body.prompt is not None:
                 raise ValueError("prompt and messages: send one or the other, not both")
             if body.messages is not None:
-                ids = await asyncio.to_thread(self.service.chat_prompt,
+                ids = await self.service.llm.tokenizing(self.service.chat_prompt,
                                               [{"role": m.role, "content": m.text()} for m in body.messages],
                                               body.add_generation_prompt)
             elif body.prompt is not None:
-                ids = await asyncio.to_thread(self.service.tokenize_text, body.prompt, body.add_special_tokens)
+                ids = await self.service.llm.tokenizing(self.service.tokenize_text, body.prompt,
+                                                        body.add_special_tokens)
             else:
                 raise ValueError("prompt or messages is required")
         except Exception as e:  # noqa: BLE001
@@ -263,14 +264,14 @@ class OpenAIServer:
         try:
             firsts = await asyncio.gather(*tasks)
         except BaseException as e:
-            if not isinstance(e, asyncio.CancelledError):   # one prompt failed: the batch did
-                batch.fail()
+            batch.end(e)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for g in gens:
                 await g.aclose()
             raise
+        batch.commit()   # every prompt started: the call's outputs go to the client
         return gens, firsts
 
     async def _run(self, request: Request, body, prompts: list, params: list, kind: str, prompt_texts: list):
@@ -289,11 +290,11 @@ class OpenAIServer:
                                                                       cache_salt=body.cache_salt, batch=batch))
                      for i, p in enumerate(prompts)]
             try:
-                return await asyncio.gather(*tasks)
+                results = await asyncio.gather(*tasks)
+                batch.commit()
+                return results
             except BaseException as e:
-                # one prompt failed (or the client left): end every prompt of the batch
-                if not isinstance(e, asyncio.CancelledError):
-                    batch.fail()
+                batch.end(e)   # one prompt failed (or the client left): end every prompt of the batch
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -332,7 +333,7 @@ class OpenAIServer:
                 if body.echo else None
             rooms = [None] * len(prompts)
             if body.max_tokens is None:   # a null max_tokens: what is left after each prompt (vLLM)
-                prompts = [await asyncio.to_thread(self.service.tokenize_text, p) if isinstance(p, str) else p
+                prompts = [await self.service.prepare(self.service.tokenize_text, p) if isinstance(p, str) else p
                            for p in prompts]
                 rooms = [self.service.llm.engine.max_model_len - len(p) for p in prompts]
             params = [self.service.sampling_params(body.sampling_values(room)) for room in rooms]
@@ -346,7 +347,7 @@ class OpenAIServer:
     async def chat(self, body: oa.ChatCompletionRequest, request: Request):
         try:
             self._check_model(body.model)
-            ids = await asyncio.to_thread(self.service.chat_prompt, body.message_dicts(), body.add_generation_prompt)
+            ids = await self.service.prepare(self.service.chat_prompt, body.message_dicts(), body.add_generation_prompt)
             engine = self.service.llm.engine
             values = body.sampling_values(engine.max_model_len - len(ids))
             if body.max_completion_tokens is not None:   # the engine's check, naming the field as sent

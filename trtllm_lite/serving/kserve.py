@@ -175,12 +175,14 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         return kpb.ModelConfigResponse(config=config)
 
     # -- inference ------------------------------------------------------------------------
-    def _parse(self, request: kpb.ModelInferRequest, infer: bool = False):
-        """The request's ``EnsembleRequest`` and ``SamplingParams``; ``infer``: for ModelInfer,
-        which refuses ``stream=true``. A refused request counts in the request outcomes (an
-        unknown model as ``invalid_argument``), as the other front ends count theirs."""
+    async def _parse(self, request: kpb.ModelInferRequest, timeout: float | None, infer: bool = False):
+        """The request's ``EnsembleRequest`` and ``SamplingParams``, read on the tokenizing
+        threads (its text tensors are tokenized); ``infer``: for ModelInfer, which refuses
+        ``stream=true``. A refused request counts in the request outcomes (an unknown model as
+        ``invalid_argument``), as the other front ends count theirs; one cancelled or past its
+        deadline (``timeout`` s) meanwhile too (EngineService.prepare)."""
         try:
-            ereq, params = self._read(request)
+            ereq, params = await self.service.prepare(self._read, request, timeout=timeout)
             if infer and ereq.stream:
                 raise ValueError("stream=true needs ModelStreamInfer (decoupled); "
                                  "ModelInfer returns the whole text at once")
@@ -210,7 +212,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
-            ereq, params = await asyncio.to_thread(self._parse, request, True)
+            ereq, params = await self._parse(request, context.time_remaining(), infer=True)
             acc = await self.service.generate_all(ereq.prompt, params, uuid.uuid4().hex, context.time_remaining(),
                                                   cache_salt=ereq.cache_salt)
         except NotFoundError as e:
@@ -224,7 +226,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     async def _stream_one(self, request, timeout: float | None = None):
         """Responses of one request of a stream (``ModelStreamInferResponse``); ``timeout``:
         seconds left of the stream's deadline when the request came (None: none)."""
-        ereq, params = await asyncio.to_thread(self._parse, request)
+        ereq, params = await self._parse(request, timeout)
         empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
             if "triton_enable_empty_final_response" in request.parameters else False
         acc = Accumulator()
