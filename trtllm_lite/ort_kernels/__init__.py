@@ -105,16 +105,32 @@ def build_library(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        units = [str(_HERE / name) for name in SOURCES if name.endswith(".cc")]
-        proc = subprocess.run([cxx, *CXX_FLAGS, *extra_flags, "-o", tmp, *units], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise KernelBuildError(f"{cxx} failed on {', '.join(units)}:\n{proc.stderr[-4000:]}")
+        with tempfile.TemporaryDirectory(dir=out_dir) as objects:
+            _compile_and_link(cxx, extra_flags, Path(objects), tmp)
         os.chmod(tmp, 0o755)     # mkstemp made it 0600: others sharing the cache must load it
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _compile_and_link(cxx: str, extra_flags: tuple[str, ...], objects: Path, out: str) -> None:
+    """Each source to an object file, all at once (the two largest take ~8 s each, all five
+    ~23 s one after another), then one shared library ``out``."""
+    units = [_HERE / name for name in SOURCES if name.endswith(".cc")]
+    objs = [str(objects / (unit.stem + ".o")) for unit in units]
+    procs = [subprocess.Popen([cxx, *CXX_FLAGS, *extra_flags, "-c", "-o", obj, str(unit)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for unit, obj in zip(units, objs)]
+    failed = [(unit, err) for unit, proc in zip(units, procs)
+              for err in [proc.communicate()[1]] if proc.returncode != 0]
+    if failed:
+        raise KernelBuildError(f"{cxx} failed on {', '.join(str(u) for u, _ in failed)}:\n"
+                               + "".join(err for _, err in failed)[-4000:])
+    proc = subprocess.run([cxx, *CXX_FLAGS, *extra_flags, "-o", out, *objs], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise KernelBuildError(f"{cxx} failed to link {', '.join(objs)}:\n{proc.stderr[-4000:]}")
 
 
 def _loads(path: Path) -> bool:
