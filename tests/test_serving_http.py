@@ -775,7 +775,7 @@ def test_api_key_over_tls(secure):
 def test_queue_full_is_429(secure):
     server, cert = secure
     url = f"https://{server.http}/v1/completions"
-    long = {"model": "smollm2", "prompt": "Write an essay.", "max_tokens": 96, "ignore_eos": True}
+    long = {"model": "smollm2", "prompt": "Write an essay.", "max_tokens": 40, "ignore_eos": True}
 
     async def burst():
         async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=cert), timeout=120, headers={"Authorization": "Bearer k3y"}) as h:
@@ -795,7 +795,7 @@ def test_a_batch_with_too_little_room_in_the_queue_is_429_and_queues_nothing(sec
     and counted as cancelled (QA)."""
     server, cert = secure
     base = f"https://{server.http}"
-    long = {"model": "smollm2", "prompt": "Write an essay.", "max_tokens": 100, "ignore_eos": True}
+    long = {"model": "smollm2", "prompt": "Write an essay.", "max_tokens": 60, "ignore_eos": True}
 
     def outcomes(h):
         prefix = 'trtllm_lite_request_outcomes_total{outcome="'
