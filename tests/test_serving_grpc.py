@@ -4,6 +4,7 @@ a tiny engine where only the plumbing matters. References: ``LLM.generate`` in t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -553,6 +554,28 @@ def test_a_cancel_within_grpcs_deadline_rounding_counts_as_deadline_exceeded(loc
     assert registry_outcomes(metrics) == {"deadline_exceeded": 1.0, "cancelled": 1.0}
 
 
+@contextlib.asynccontextmanager
+async def loop_gaps():
+    """The running event loop's pauses (seconds) while the block runs: a task that sleeps 1 ms
+    at a time records how long each sleep really took (a list, filled in as it goes)."""
+    gaps, done = [], asyncio.Event()
+
+    async def tick():
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        yield gaps
+    finally:
+        done.set()
+        await ticker
+
+
 def test_a_long_text_prompt_is_tokenized_while_the_event_loop_runs(local_llm):
     """AsyncLLM.generate tokenizes a text prompt on a worker thread, where the tokenizer
     releases the GIL, so the event loop every request shares keeps running: 200k CJK
@@ -565,25 +588,13 @@ def test_a_long_text_prompt_is_tokenized_while_the_event_loop_runs(local_llm):
     text = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(200_000))
 
     async def run():
-        gaps, done = [], asyncio.Event()
-
-        async def tick():
-            last = time.perf_counter()
-            while not done.is_set():
-                await asyncio.sleep(0.001)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.sleep(0.05)
-        start = time.perf_counter()
-        with pytest.raises(ValueError, match="more than max_seq_len"):
-            async for _ in local_llm.generate(text, SamplingParams(max_tokens=4)):
-                pass
-        took = time.perf_counter() - start
-        done.set()
-        await ticker
+        async with loop_gaps() as gaps:
+            await asyncio.sleep(0.05)
+            start = time.perf_counter()
+            with pytest.raises(ValueError, match="more than max_seq_len"):
+                async for _ in local_llm.generate(text, SamplingParams(max_tokens=4)):
+                    pass
+            took = time.perf_counter() - start
         return max(gaps), took
 
     longest, took = asyncio.run(run())

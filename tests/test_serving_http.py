@@ -18,7 +18,7 @@ from trtllm_lite import SamplingParams
 from trtllm_lite.serving.client import LLMClient
 from trtllm_lite.serving.process import ServerProcess, wait_until
 
-from .test_serving_grpc import idle_blocks, tls_files  # noqa: F401 - tls_files is a fixture
+from .test_serving_grpc import idle_blocks, loop_gaps, tls_files  # noqa: F401 - tls_files is a fixture
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(300)
@@ -875,23 +875,11 @@ def test_a_long_tokenize_answer_does_not_hold_the_event_loop(smollm2_engine):
     app = OpenAIServer(EngineService(llm, "m", Metrics())).app
     try:
         async def run():
-            gaps, done = [], asyncio.Event()
-
-            async def tick():
-                last = time.perf_counter()
-                while not done.is_set():
-                    await asyncio.sleep(0.001)
-                    now = time.perf_counter()
-                    gaps.append(now - last)
-                    last = now
-
-            ticker = asyncio.create_task(tick())
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-                start = time.perf_counter()
-                r = await c.post("/tokenize", json={"prompt": text}, timeout=120)
-                took = time.perf_counter() - start
-            done.set()
-            await ticker
+            async with loop_gaps() as gaps:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                    start = time.perf_counter()
+                    r = await c.post("/tokenize", json={"prompt": text}, timeout=120)
+                    took = time.perf_counter() - start
             return r, max(gaps), took
 
         r, longest, took = asyncio.run(run())
