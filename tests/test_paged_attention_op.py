@@ -258,7 +258,7 @@ def test_kernels_fall_back_to_function_bodies_without_a_compiler(monkeypatch, tm
 def test_the_built_library_is_readable_by_everyone_and_a_broken_one_is_rebuilt(monkeypatch, tmp_path):
     """A cache shared between users (a pre-built image, say) must be loadable by all; a cached
     library that does not load (truncated by a full disk, say) is rebuilt, not handed to ONNX
-    Runtime (which would fail every session). One test: each build costs the suite ~15 s."""
+    Runtime (which would fail every session). One test: each build costs the suite ~12 s."""
     import stat
 
     import trtllm_lite.ort_kernels as kernels
