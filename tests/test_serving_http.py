@@ -667,7 +667,7 @@ def test_refused_http_requests_are_counted_like_grpc_ones(server):
 
 
 def test_a_completions_batch_refused_by_one_prompt_counts_once(server, grpc_client):
-    """A batch whose second prompt the engine refuses is one 400 and one invalid_argument
+    """A batch whose second prompt (or more than one) the engine refuses is one 400 and one invalid_argument
     outcome, streamed or not: the prompts the server ends with it are not counted as
     cancelled (the client cancelled nothing; they were counted so before: QA), nor as
     finished when the refused prompt took longer to tokenize than they took to finish (QA 15),
@@ -686,7 +686,10 @@ def test_a_completions_batch_refused_by_one_prompt_counts_once(server, grpc_clie
     slow = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(300_000))   # ~1 s to tokenize
     cases = [([[1, 2, 3] * 40, [1, 10 ** 6]], 64, "outside the vocabulary"),
              # refused after the first prompt has finished (held, then not counted as length)
-             (["Hi", slow], 1, "more than max_seq_len")]
+             (["Hi", slow], 1, "more than max_seq_len"),
+             # two refused prompts (token ids: each refused as its task first runs, before the
+             # batch knows it failed): still one outcome (each was counted: QA 15b)
+             ([[1, 10 ** 6], [1, 2, 3], [2, 10 ** 6]], 4, "outside the vocabulary")]
     for (prompts, max_tokens, message), stream in [(c, s) for c in cases for s in (False, True)]:
         before = outcomes()
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={

@@ -290,6 +290,13 @@ class EngineService:
         except BaseException as e:
             if outcome is not None:
                 outcome = classify(e).name.lower()
+                if batch is not None:
+                    # the call fails with its first error, counted once: a second prompt refused
+                    # before the call saw the first's error (token ids are refused as each task
+                    # first runs, in one turn of the loop) was counted too (QA 15b)
+                    if batch.failed:
+                        outcome = None
+                    batch.fail()
             raise
         finally:
             if outcome is not None:
