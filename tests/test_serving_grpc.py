@@ -635,3 +635,28 @@ def test_a_drain_waits_for_a_request_being_tokenized(smollm2_engine):
         assert llm.num_in_flight() == 0
     finally:
         llm.shutdown()
+
+
+def test_the_tokenizing_pool_never_holds_the_process_at_exit():
+    """A call still running on the tokenizing threads when the process exits is not waited for
+    (concurrent.futures' threads are joined at exit: a server stopping while long prompts were
+    tokenized ran past its shutdown grace; QA 15b). Results and errors reach the caller; a call
+    not started is cancelled by shutdown."""
+    from trtllm_lite.async_llm import DaemonPool
+
+    pool = DaemonPool(1, "t")
+    assert pool.submit(lambda: 6 * 7).result(timeout=10) == 42
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(timeout=10)
+    release = threading.Event()
+    running = pool.submit(release.wait)
+    assert wait_until(running.running, timeout=10)
+    waiting = pool.submit(lambda: 1)
+    pool.shutdown()
+    assert waiting.cancelled()
+    release.set()
+    assert running.result(timeout=10) is True
+    code = ("import threading; from trtllm_lite.async_llm import DaemonPool; "
+            "DaemonPool(1, 't').submit(threading.Event().wait); print('exiting')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "exiting", done.stderr

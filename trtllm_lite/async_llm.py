@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import AsyncIterator
 
 from .core.llm_engine import LLMEngine
@@ -106,6 +106,48 @@ class RequestStream:
         return self.items.popleft()
 
 
+class DaemonPool:
+    """A few daemon threads running submitted calls. ``concurrent.futures``' threads are joined
+    when the interpreter exits, so a server stopping while a long prompt was tokenized ran up
+    to seconds past its shutdown grace (QA 15b); these are not waited for."""
+
+    def __init__(self, workers: int, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = workers
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn = job
+            if not future.set_running_or_notify_cancel():   # cancelled while it waited
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                future.set_exception(e)
+
+    def submit(self, fn) -> Future:
+        """``fn()`` on a pool thread; its result or exception in the returned future."""
+        future: Future = Future()
+        self._jobs.put((future, fn))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started; the threads end after their current one."""
+        pending = []
+        while True:
+            try:
+                pending.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in pending:
+            if job is not None:
+                job[0].cancel()
+        for _ in range(self._workers):
+            self._jobs.put(None)
+
+
 class AsyncLLM:
     """Stream generations from an engine shared by many concurrent callers.
 
@@ -140,8 +182,7 @@ class AsyncLLM:
         self._stats = self._snapshot()
         # tokenizing threads of their own (the tokenizer releases the GIL): long prompts queue
         # here, not in asyncio's default executor, where responses are encoded
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
-                                                  thread_name_prefix="trtllm-lite-tokenize")
+        self._tokenizer_pool = DaemonPool(os.cpu_count() or 1, "trtllm-lite-tokenize")
         self._thread = threading.Thread(target=self._loop, name="trtllm-lite-engine", daemon=True)
         self._thread.start()
 
@@ -152,7 +193,7 @@ class AsyncLLM:
     async def tokenizing(self, fn, *args):
         """``fn(*args)`` on the tokenizing threads, off the event loop: for work that tokenizes
         text (prompts, chat templates, bad words), which releases the GIL while it runs."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
+        return await asyncio.wrap_future(self._tokenizer_pool.submit(functools.partial(fn, *args)))
 
     @staticmethod
     def _tokenizes(prompt, params: SamplingParams | None) -> bool:
@@ -303,7 +344,7 @@ class AsyncLLM:
         self._stopped = True
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_pool.shutdown()
 
     # -- engine thread --------------------------------------------------------------------
     def _snapshot(self) -> dict:
