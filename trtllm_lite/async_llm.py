@@ -90,7 +90,11 @@ class RequestStream:
         self.event.set()
 
     async def get(self, deadline: float | None = None):
-        """Next item; raises :class:`RequestTimeoutError` at ``deadline`` (monotonic s)."""
+        """Next item; raises :class:`RequestTimeoutError` at ``deadline`` (monotonic s).
+
+        The deadline is a timer that wakes the wait, not ``asyncio.wait_for``, which in Python
+        3.10-3.11 can swallow a cancellation that comes as an item arrives: the consumer's
+        cancel was lost and the request ran on to its deadline (a suite flake)."""
         while not self.items:
             self.event.clear()
             if deadline is None:
@@ -99,10 +103,11 @@ class RequestStream:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestTimeoutError("request deadline exceeded")
+            timer = self.loop.call_later(remaining, self.event.set)
             try:
-                await asyncio.wait_for(self.event.wait(), remaining)
-            except asyncio.TimeoutError:
-                raise RequestTimeoutError("request deadline exceeded") from None
+                await self.event.wait()
+            finally:
+                timer.cancel()
         return self.items.popleft()
 
 
