@@ -656,6 +656,8 @@ def test_the_tokenizing_pool_never_holds_the_process_at_exit():
     assert waiting.cancelled()
     release.set()
     assert running.result(timeout=10) is True
+    with pytest.raises(RuntimeError, match="shut down"):   # it would wait forever
+        pool.submit(lambda: 1)
     code = ("import threading; from trtllm_lite.async_llm import DaemonPool; "
             "DaemonPool(1, 't').submit(threading.Event().wait); print('exiting')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -119,6 +119,7 @@ class DaemonPool:
     def __init__(self, workers: int, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = workers
+        self._closed = False
         for i in range(workers):
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
 
@@ -133,13 +134,20 @@ class DaemonPool:
                 future.set_exception(e)
 
     def submit(self, fn) -> Future:
-        """``fn()`` on a pool thread; its result or exception in the returned future."""
+        """``fn()`` on a pool thread; its result or exception in the returned future.
+
+        Raises:
+            RuntimeError: the pool is shut down (no thread would ever run ``fn``).
+        """
+        if self._closed:
+            raise RuntimeError("the tokenizing pool is shut down")
         future: Future = Future()
         self._jobs.put((future, fn))
         return future
 
     def shutdown(self) -> None:
         """Cancel the calls not started; the threads end after their current one."""
+        self._closed = True
         pending = []
         while True:
             try:
