@@ -601,19 +601,26 @@ def test_a_long_text_prompt_is_tokenized_while_the_event_loop_runs(local_llm):
     assert longest < took / 2, (longest, took)
 
 
-def test_a_drain_waits_for_a_request_being_tokenized(smollm2_engine):
-    """A request still being tokenized on its worker thread when the engine stops accepting
-    (SIGTERM) came before it: the drain waits for it and it is served, as one already in the
-    engine is. It was refused (503 / UNAVAILABLE, or HTTP 500 once uvicorn's own grace ran out)
-    and the drain returned at once, not counting it (QA 15). A request that starts after the
-    drain began is still refused."""
+def slow_bad_words(n=1000, seed=1):
+    """``n`` bad words of 320 CJK characters: ~1-2 s of tokenizing, within check_words_length's
+    limits (this engine: 1024 words, 331k characters)."""
     import random
 
+    rng = random.Random(seed)
+    return ["".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(320)) for _ in range(n)]
+
+
+def test_a_drain_waits_for_requests_being_tokenized_or_admitted(smollm2_engine):
+    """Requests that came before the engine stopped accepting (SIGTERM) are served, as those
+    already in the engine are: one still being tokenized on its worker thread, and one a front
+    end took (``AsyncLLM.admit``) and still prepares (renders a chat template, reads KServe
+    tensors). The drain waits for both. They were refused (503 / UNAVAILABLE, or HTTP 500 once
+    uvicorn's own grace ran out) and the drain returned at once (QA 15, QA 15b N2). A request
+    that starts after the drain began is refused, and so is an admitted one that reaches the
+    engine only after the drain gave up and aborted every request."""
     from trtllm_lite.async_llm import AsyncLLM, ShuttingDownError
 
-    rng = random.Random(1)
-    # ~1-2 s of tokenizing within check_words_length's limits (this engine: 1024 words, 331k characters)
-    words = ["".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(320)) for _ in range(1000)]
+    words = slow_bad_words()
     llm = AsyncLLM(smollm2_engine, num_threads=2, num_kv_blocks=64)
     try:
         async def run():
@@ -622,19 +629,65 @@ def test_a_drain_waits_for_a_request_being_tokenized(smollm2_engine):
                 return outs[-1].finished
 
             task = asyncio.create_task(one())
-            await asyncio.sleep(0.2)                 # on its worker thread now
-            assert llm.num_in_flight() == 1
-            drained = await llm.drain(60)
-            with pytest.raises(ShuttingDownError):
-                async for _ in llm.generate("Hello", SamplingParams(max_tokens=2)):
-                    pass
-            return await task, drained
+            with llm.admit() as served, llm.admit() as late:
+                await asyncio.sleep(0.2)                 # on its worker thread now
+                assert llm.num_in_flight() == 1
+                drain = asyncio.create_task(llm.drain(60))
+                await asyncio.sleep(0.05)
+                with pytest.raises(ShuttingDownError):
+                    async for _ in llm.generate("Hello", SamplingParams(max_tokens=2)):
+                        pass
+                outs = [o async for o in llm.generate("Hi", SamplingParams(max_tokens=2), admission=served)]
+                assert outs[-1].finished and await task
+                await asyncio.sleep(0.1)
+                assert not drain.done()                  # `late` is still held
+                llm.abort_all()                          # as Server.stop does once the grace is over
+                with pytest.raises(ShuttingDownError):
+                    async for _ in llm.generate("Hi", SamplingParams(max_tokens=2), admission=late):
+                        pass
+            return await drain
 
-        finished, drained = asyncio.run(run())
-        assert finished and drained
+        assert asyncio.run(run())
         assert llm.num_in_flight() == 0
     finally:
         llm.shutdown()
+
+
+def test_sigterm_serves_a_chat_still_queued_for_tokenizing(smollm2_engine):
+    """A gRPC chat whose template waits for the tokenizing threads (busy with two requests'
+    long bad words) when SIGTERM comes is served, like the two, and the server exits 0 (QA 15b
+    N2: it was refused UNAVAILABLE). Meanwhile a short chat does not wait behind the long text:
+    it has a thread of its own (QA 15b D1': it waited for them, ~12 s in a flood)."""
+    words = slow_bad_words()
+    long_chat = [{"role": "user", "content": "Say hello. " + "-" * 10_000}]   # past the short-text thread
+    server = ServerProcess(smollm2_engine, *ENGINE_ARGS, "--shutdown-grace", "60", metrics=False)
+    finished = []   # (name, finish reason or status code), in the order they ended
+    try:
+        with LLMClient(server.grpc, timeout=120) as c:
+            def consume(name, **kw):
+                try:
+                    finished.append((name, c.complete(max_tokens=2, **kw).outputs[0].finish_reason))
+                except grpc.RpcError as e:
+                    finished.append((name, e.code()))
+
+            threads = [threading.Thread(target=consume, args=(f"bad_words{i}",),
+                                        kwargs=dict(prompt="Hello", bad_words=words)) for i in range(2)]
+            threads.append(threading.Thread(target=consume, args=("long_chat",), kwargs=dict(messages=long_chat)))
+            threads.append(threading.Thread(target=consume, args=("short_chat",),
+                                            kwargs=dict(messages=[{"role": "user", "content": "Say hello."}])))
+            for t in threads:
+                t.start()
+                time.sleep(0.1)
+            server.signal()   # the bad words are being tokenized, the long chat waits for a thread
+            for t in threads:
+                t.join(120)
+            rc = server.wait(120)
+    finally:
+        server.kill()
+    assert rc == 0
+    assert finished[0] == ("short_chat", "length"), finished
+    assert sorted(finished) == [("bad_words0", "length"), ("bad_words1", "length"), ("long_chat", "length"),
+                                ("short_chat", "length")]
 
 
 def test_the_tokenizing_pool_never_holds_the_process_at_exit():

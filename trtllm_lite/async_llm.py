@@ -61,6 +61,31 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     return dataclasses.replace(b, outputs=[outs[i] for i in sorted(outs)])
 
 
+class Admission:
+    """A request the engine took while it accepted, whose front end still prepares it before
+    :meth:`AsyncLLM.generate` (renders and tokenizes a chat template, reads KServe tensors).
+    From :meth:`AsyncLLM.admit`; a context manager: until it exits, a drain waits for it, and
+    ``generate(..., admission=...)`` takes the request even after the engine stopped
+    accepting, as it takes one already in flight (it is refused only if the engine stopped or
+    the drain ended by aborting every request meanwhile). A SIGTERM while a chat's template
+    was tokenized refused it with 503 / UNAVAILABLE (QA 15b N2)."""
+
+    def __init__(self, llm: "AsyncLLM"):
+        self._llm = llm
+        self.aborts = llm._abort_all_count   # abort_all() calls before it came
+        self._held = False
+
+    def __enter__(self) -> "Admission":
+        self._held = True
+        self._llm._admissions += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._held:
+            self._held = False
+            self._llm._admissions -= 1
+
+
 class RequestStream:
     """Deltas of one request, from the engine thread to its consumer on an event loop.
 
@@ -109,6 +134,9 @@ class RequestStream:
             finally:
                 timer.cancel()
         return self.items.popleft()
+
+
+SHORT_TEXT_CHARS = 8192   # text up to this long tokenizes in ~1 ms: AsyncLLM.tokenizing's own thread
 
 
 class DaemonPool:
@@ -188,14 +216,17 @@ class AsyncLLM:
         self._abort_requested: set[str] = set()   # ids abort() was called for, until their stream ends
         self._preparing = 0        # requests being tokenized on a worker thread (not in _streams yet)
         self._abort_all_count = 0  # abort_all() calls: a request tokenized across one is refused
+        self._admissions = 0       # admit()'s requests whose front end still holds them (a drain waits)
         self._error: BaseException | None = None
         self._accepting = True
         self._stopped = False
         self.num_step_errors = 0
         self._stats = self._snapshot()
         # tokenizing threads of their own (the tokenizer releases the GIL): long prompts queue
-        # here, not in asyncio's default executor, where responses are encoded
+        # here, not in asyncio's default executor, where responses are encoded; short text has
+        # a thread of its own, so it never waits behind long text
         self._tokenizer_pool = DaemonPool(os.cpu_count() or 1, "trtllm-lite-tokenize")
+        self._short_text_pool = DaemonPool(1, "trtllm-lite-tokenize-short")
         self._thread = threading.Thread(target=self._loop, name="trtllm-lite-engine", daemon=True)
         self._thread.start()
 
@@ -203,17 +234,26 @@ class AsyncLLM:
     def from_engine(cls, engine: LLMEngine, **options) -> "AsyncLLM":
         return cls(engine=engine, **options)
 
-    async def tokenizing(self, fn, *args):
+    async def tokenizing(self, fn, *args, chars: int):
         """``fn(*args)`` on the tokenizing threads, off the event loop: for work that tokenizes
-        text (prompts, chat templates, bad words), which releases the GIL while it runs."""
-        return await asyncio.wrap_future(self._tokenizer_pool.submit(functools.partial(fn, *args)))
+        text (prompts, chat templates, bad words), which releases the GIL while it runs.
+        ``chars``: the text's length in characters. Up to ``SHORT_TEXT_CHARS`` (~1 ms of
+        tokenizing), the call runs on a thread of its own, so short text never waits behind
+        long text (during a flood of 24 long prompts, a short chat waited ~12 s; QA 15b D1');
+        longer text shares one thread per core."""
+        pool = self._short_text_pool if chars <= SHORT_TEXT_CHARS else self._tokenizer_pool
+        return await asyncio.wrap_future(pool.submit(functools.partial(fn, *args)))
 
     @staticmethod
-    def _tokenizes(prompt, params: SamplingParams | None) -> bool:
-        """Whether building the request tokenizes text (else it is cheap: token ids)."""
+    def _text_chars(prompt, params: SamplingParams | None) -> int | None:
+        """Characters of text that building the request tokenizes (the prompt's, bad words'),
+        or None when it tokenizes none (token ids: cheap)."""
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-        return isinstance(prompt, str) or bool(params is not None and getattr(params, "bad_words", None))
+        words = getattr(params, "bad_words", None) if params is not None else None
+        if not isinstance(prompt, str) and not words:
+            return None
+        return (len(prompt) if isinstance(prompt, str) else 0) + sum(len(w) for w in words or ())
 
     @property
     def tokenizer(self):
@@ -229,14 +269,27 @@ class AsyncLLM:
         return self._error is not None or not self._thread.is_alive()
 
     # -- public API -----------------------------------------------------------------------
+    def admit(self) -> Admission:
+        """Take a request whose front end prepares it before :meth:`generate` (see
+        :class:`Admission`; use it as ``with llm.admit() as admission:``).
+
+        Raises:
+            ShuttingDownError / EngineDeadError: as :meth:`generate`.
+        """
+        self._check_accepting()
+        return Admission(self)
+
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, timeout: float | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       admission: Admission | None = None) -> AsyncIterator[RequestOutput]:
         """Yield delta :class:`RequestOutput`s (new text and token ids) until ``finished``.
 
         Args:
             timeout: seconds from now until the request is aborted (None: no deadline).
             cache_salt: prefix-cache blocks are shared only with requests of the same salt.
+            admission: the request's :meth:`admit`, when its front end prepared it: it is taken
+                as one that came before the engine stopped accepting.
 
         Raises:
             ValueError / TypeError: bad input, before anything is queued (the message names
@@ -249,7 +302,8 @@ class AsyncLLM:
         If the consumer stops iterating (cancellation, disconnect), the request is aborted
         and its KV blocks return within one step.
         """
-        self._check_accepting()
+        if admission is None:
+            self._check_accepting()
         deadline = None if timeout is None else time.monotonic() + timeout
         # tokenizing (the prompt, bad_words) runs on a worker thread, where it releases the GIL:
         # on the event loop, a long prompt stopped every other request's stream while it ran.
@@ -257,15 +311,16 @@ class AsyncLLM:
         # it was tokenized refused it with 503 / UNAVAILABLE, or HTTP 500 once uvicorn's own
         # grace ran out; QA 15); it is refused only if the engine stopped, or the drain ended in
         # an abort_all, meanwhile
-        aborts = self._abort_all_count
+        aborts = self._abort_all_count if admission is None else admission.aborts
         request_id = request_id or uuid.uuid4().hex
-        if not self._tokenizes(prompt, sampling_params):   # token ids: no thread hop
+        chars = self._text_chars(prompt, sampling_params)
+        if chars is None:   # token ids: no thread hop
             request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt)
         else:
             self._preparing += 1
             try:
                 request = await self.tokenizing(self.engine.make_request, prompt, sampling_params,
-                                                request_id, cache_salt)
+                                                request_id, cache_salt, chars=chars)
             finally:
                 self._preparing -= 1
         if self._error is not None:
@@ -344,12 +399,16 @@ class AsyncLLM:
 
     async def drain(self, timeout: float) -> bool:
         """Stop accepting, then wait up to ``timeout`` s for in-flight requests (those being
-        tokenized too) to finish. Returns True if none is left."""
+        tokenized too, and admitted ones their front ends still prepare: :meth:`admit`) to
+        finish. Returns True if none is left."""
         self.stop_accepting()
         end = time.monotonic() + timeout
-        while (self._streams or self._preparing) and time.monotonic() < end:
+        while not self._drained() and time.monotonic() < end:
             await asyncio.sleep(0.02)
-        return not self._streams and not self._preparing
+        return self._drained()
+
+    def _drained(self) -> bool:
+        return not self._streams and not self._preparing and not self._admissions
 
     def shutdown(self) -> None:
         """Stop the engine thread (in-flight requests are aborted)."""
@@ -358,6 +417,7 @@ class AsyncLLM:
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
         self._tokenizer_pool.shutdown()
+        self._short_text_pool.shutdown()
 
     # -- engine thread --------------------------------------------------------------------
     def _snapshot(self) -> dict:

@@ -12,7 +12,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Sequence
 
-from ..async_llm import (AsyncLLM, EngineDeadError, EngineStepError, QueueFullError,
+from ..async_llm import (Admission, AsyncLLM, EngineDeadError, EngineStepError, QueueFullError,
                          RequestTimeoutError, ShuttingDownError)
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -208,6 +208,11 @@ class EngineService:
             raise ValueError(f"{name}: {bad[0]} is outside the vocabulary [0, {vocab})")
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @staticmethod
+    def chat_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+        """Characters of the messages' contents (strings), for ``AsyncLLM.tokenizing``."""
+        return sum(len(m.get("content") or "") for m in messages)
+
     def chat_prompt(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (as
         ``LLM.chat``). Raises ``ValueError`` for malformed messages or no template."""
@@ -233,22 +238,24 @@ class EngineService:
             time.monotonic() >= deadline - _DEADLINE_SLACK - _DEADLINE_SLACK_RATIO * limit
         return "deadline_exceeded" if past else "cancelled"
 
-    async def prepare(self, fn, *args, timeout: float | None = None):
-        """``fn(*args)``, work that tokenizes a generation request's text before
-        :meth:`generate` (a chat template, KServe's tensors), on the engine's tokenizing threads.
+    async def prepare(self, fn, *args, chars: int, timeout: float | None = None):
+        """``fn(*args)``, work that tokenizes a generation request's text (``chars``
+        characters) before :meth:`generate` (a chat template, KServe's tensors), on the engine's
+        tokenizing threads (``AsyncLLM.tokenizing``).
         A request cancelled meanwhile (the client left, or ``timeout`` s passed: its deadline)
         is counted in the request outcomes here, as :meth:`generate` would count it. Errors
         propagate uncounted: the caller counts its refusals."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return await self.llm.tokenizing(fn, *args)
+            return await self.llm.tokenizing(fn, *args, chars=chars)
         except asyncio.CancelledError:
             self.metrics.record_failed(self._cancel_outcome(deadline, timeout))
             raise
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
                        timeout: float | None = None, cache_salt: str | None = None,
-                       batch: RequestBatch | None = None) -> AsyncIterator[RequestOutput]:
+                       batch: RequestBatch | None = None,
+                       admission: Admission | None = None) -> AsyncIterator[RequestOutput]:
         """``AsyncLLM.generate`` with metrics; same deltas, same exceptions.
 
         Close it (``contextlib.aclosing``) or cancel its consumer to abort the request. A
@@ -265,7 +272,8 @@ class EngineService:
         limit = self.timeout(timeout)
         deadline = None if limit is None else time.monotonic() + limit
         try:
-            gen = self.llm.generate(prompt, params, request_id, timeout=limit, cache_salt=cache_salt)
+            gen = self.llm.generate(prompt, params, request_id, timeout=limit, cache_salt=cache_salt,
+                                    admission=admission)
             async with aclosing(gen):
                 async for out in gen:
                     now = time.monotonic()
@@ -304,10 +312,11 @@ class EngineService:
 
     async def generate_all(self, prompt, params: SamplingParams, request_id: str | None = None,
                            timeout: float | None = None, cache_salt: str | None = None,
-                           batch: RequestBatch | None = None) -> Accumulator:
+                           batch: RequestBatch | None = None, admission: Admission | None = None) -> Accumulator:
         """Run a request to the end; return its accumulated result."""
         acc = Accumulator()
-        async with aclosing(self.generate(prompt, params, request_id, timeout, cache_salt, batch)) as gen:
+        async with aclosing(self.generate(prompt, params, request_id, timeout, cache_salt, batch,
+                                          admission)) as gen:
             async for out in gen:
                 acc.add(out)
         return acc

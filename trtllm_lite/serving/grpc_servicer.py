@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from contextlib import ExitStack
 
 import grpc
 
@@ -115,28 +116,33 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
         raise ValueError("prompt is missing: set text, token_ids or chat")
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        try:
-            if request.WhichOneof("prompt") == "chat":   # the template's text is tokenized
-                prompt = await self.service.prepare(self._prompt, request, timeout=context.time_remaining())
-            else:   # text is tokenized by generate; token ids need no thread
-                prompt = self._prompt(request)
-            params = self.service.sampling_params(check_seed(sampling_values(request.sampling_params)))
-        except Exception as e:  # noqa: BLE001 - every request error becomes a status
-            await self._fail(context, e, record=True)
-        rid = request.request_id or uuid.uuid4().hex
-        acc = Accumulator()
-        first = True
-        try:
-            salt = request.cache_salt if request.HasField("cache_salt") else None
-            async for out in self.service.generate(prompt, params, rid, context.time_remaining(), salt):
-                acc.add(out)
-                if not request.stream and not out.finished:
-                    continue
-                resp = self._response(out, acc, request.stream, first, params.logprobs is not None)
-                first = False
-                yield resp
-        except Exception as e:  # noqa: BLE001
-            await self._fail(context, e)
+        with ExitStack() as held:
+            try:
+                # taken now: a drain waits while the chat's template is tokenized (AsyncLLM.admit)
+                admission = held.enter_context(self.service.llm.admit())
+                if request.WhichOneof("prompt") == "chat":   # the template's text is tokenized
+                    prompt = await self.service.prepare(self._prompt, request, timeout=context.time_remaining(),
+                                                        chars=sum(len(m.content) for m in request.chat.messages))
+                else:   # text is tokenized by generate; token ids need no thread
+                    prompt = self._prompt(request)
+                params = self.service.sampling_params(check_seed(sampling_values(request.sampling_params)))
+            except Exception as e:  # noqa: BLE001 - every request error becomes a status
+                await self._fail(context, e, record=True)
+            rid = request.request_id or uuid.uuid4().hex
+            acc = Accumulator()
+            first = True
+            try:
+                salt = request.cache_salt if request.HasField("cache_salt") else None
+                async for out in self.service.generate(prompt, params, rid, context.time_remaining(), salt,
+                                                       admission=admission):
+                    acc.add(out)
+                    if not request.stream and not out.finished:
+                        continue
+                    resp = self._response(out, acc, request.stream, first, params.logprobs is not None)
+                    first = False
+                    yield resp
+            except Exception as e:  # noqa: BLE001
+                await self._fail(context, e)
 
     def _response(self, out, acc: Accumulator, stream: bool, first: bool, logprobs: bool) -> pb.GenerateResponse:
         outputs = out.outputs if stream else acc.results()
@@ -169,10 +175,12 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
                 chat = request.chat
                 add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
                 messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-                ids = await self.service.llm.tokenizing(self.service.chat_prompt, messages, add)
+                ids = await self.service.llm.tokenizing(self.service.chat_prompt, messages, add,
+                                                        chars=self.service.chat_chars(messages))
             else:
                 special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = await self.service.llm.tokenizing(self.service.tokenize_text, request.text, special)
+                ids = await self.service.llm.tokenizing(self.service.tokenize_text, request.text, special,
+                                                        chars=len(request.text))
         except Exception as e:  # noqa: BLE001
             await self._fail(context, e)
         return pb.TokenizeResponse(token_ids=ids, max_seq_len=self.service.llm.engine.scheduler_config.max_seq_len)

@@ -17,14 +17,14 @@ import math
 import socket
 import time
 import uuid
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..async_llm import QueueFullError
+from ..async_llm import Admission, QueueFullError
 from . import openai_protocol as oa
 from .engine_service import Accumulator, EngineService, RequestBatch, classify, position_logprobs
 
@@ -230,12 +230,12 @@ class OpenAIServer:
             if body.messages is not None and body.prompt is not None:
                 raise ValueError("prompt and messages: send one or the other, not both")
             if body.messages is not None:
-                ids = await self.service.llm.tokenizing(self.service.chat_prompt,
-                                              [{"role": m.role, "content": m.text()} for m in body.messages],
-                                              body.add_generation_prompt)
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                ids = await self.service.llm.tokenizing(self.service.chat_prompt, messages, body.add_generation_prompt,
+                                                        chars=self.service.chat_chars(messages))
             elif body.prompt is not None:
                 ids = await self.service.llm.tokenizing(self.service.tokenize_text, body.prompt,
-                                                        body.add_special_tokens)
+                                                        body.add_special_tokens, chars=len(body.prompt))
             else:
                 raise ValueError("prompt or messages is required")
         except Exception as e:  # noqa: BLE001
@@ -254,11 +254,13 @@ class OpenAIServer:
             return error_response(e)
 
     # -- generation -----------------------------------------------------------------------
-    async def _start(self, prompts: list, params: list, rid: str, cache_salt: str | None, batch: RequestBatch):
+    async def _start(self, prompts: list, params: list, rid: str, cache_salt: str | None, batch: RequestBatch,
+                     admission: Admission):
         """Start one request per prompt (``params[i]`` for ``prompts[i]``) and wait for each
         one's first delta, so that bad input, a full queue or a shutdown is an HTTP error before
         any byte is streamed."""
-        gens = [self.service.generate(p, params[i], f"{rid}-{i}", cache_salt=cache_salt, batch=batch)
+        gens = [self.service.generate(p, params[i], f"{rid}-{i}", cache_salt=cache_salt, batch=batch,
+                                      admission=admission)
                 for i, p in enumerate(prompts)]
         tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
         try:
@@ -274,20 +276,23 @@ class OpenAIServer:
         batch.commit()   # every prompt started: the call's outputs go to the client
         return gens, firsts
 
-    async def _run(self, request: Request, body, prompts: list, params: list, kind: str, prompt_texts: list):
-        """Serve ``prompts`` (one ``SamplingParams`` each, in ``params``) as one response."""
+    async def _run(self, request: Request, body, prompts: list, params: list, kind: str, prompt_texts: list,
+                   admission: Admission):
+        """Serve ``prompts`` (one ``SamplingParams`` each, in ``params``) as one response, the
+        request taken by ``admission`` (AsyncLLM.admit) when it came."""
         rid = ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
         fmt = ResponseFormat(self.service, body, kind, rid, created, params[0].n, prompt_texts)
         batch = RequestBatch()
         if body.stream:
-            gens, firsts = await self._start(prompts, params, rid, body.cache_salt, batch)
+            gens, firsts = await self._start(prompts, params, rid, body.cache_salt, batch, admission)
             return StreamingResponse(fmt.stream(gens, firsts, batch), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
         async def run_all():
             tasks = [asyncio.ensure_future(self.service.generate_all(p, params[i], f"{rid}-{i}",
-                                                                      cache_salt=body.cache_salt, batch=batch))
+                                                                      cache_salt=body.cache_salt, batch=batch,
+                                                                      admission=admission))
                      for i, p in enumerate(prompts)]
             try:
                 results = await asyncio.gather(*tasks)
@@ -314,51 +319,57 @@ class OpenAIServer:
         return error_response(e)
 
     async def completions(self, body: oa.CompletionRequest, request: Request):
-        try:
-            self._check_model(body.model)
-            prompts = body.prompts()
-            limit = self.service.llm.max_waiting_requests
-            if limit is not None and len(prompts) > max(limit, 1):
-                # one request per prompt, all queued at once: more than the queue holds is never
-                # taken whole, and starting each (20,000 of them) held the event loop ~14 s
-                raise ValueError(f"prompt has {len(prompts)} prompts: more than max_waiting_requests "
-                                 f"({limit}) can queue at once")
-            waiting = self.service.llm.num_waiting_requests()
-            if limit is not None and len(prompts) > 1 and waiting + len(prompts) > limit:
-                # all or none: queueing the prompts that fit, then ending them with the batch,
-                # held places in the queue that other clients were refused meanwhile (QA)
-                raise QueueFullError(f"waiting queue has room for {max(limit - waiting, 0)} requests, "
-                                     f"and prompt has {len(prompts)} prompts")
-            texts = [p if isinstance(p, str) else self.service.tokenizer.decode(p) for p in prompts] \
-                if body.echo else None
-            rooms = [None] * len(prompts)
-            if body.max_tokens is None:   # a null max_tokens: what is left after each prompt (vLLM)
-                prompts = [await self.service.prepare(self.service.tokenize_text, p) if isinstance(p, str) else p
-                           for p in prompts]
-                rooms = [self.service.llm.engine.max_model_len - len(p) for p in prompts]
-            params = [self.service.sampling_params(body.sampling_values(room)) for room in rooms]
-        except Exception as e:  # noqa: BLE001
-            return self._rejected(e)
-        try:   # errors from here on are counted where the engine raises them (engine_service)
-            return await self._run(request, body, prompts, params, "text", texts)
-        except Exception as e:  # noqa: BLE001 - every request error becomes an HTTP status
-            return error_response(e)
+        with ExitStack() as held:   # admitted: a drain waits for it while its text is tokenized
+            try:
+                self._check_model(body.model)
+                admission = held.enter_context(self.service.llm.admit())
+                prompts = body.prompts()
+                limit = self.service.llm.max_waiting_requests
+                if limit is not None and len(prompts) > max(limit, 1):
+                    # one request per prompt, all queued at once: more than the queue holds is never
+                    # taken whole, and starting each (20,000 of them) held the event loop ~14 s
+                    raise ValueError(f"prompt has {len(prompts)} prompts: more than max_waiting_requests "
+                                     f"({limit}) can queue at once")
+                waiting = self.service.llm.num_waiting_requests()
+                if limit is not None and len(prompts) > 1 and waiting + len(prompts) > limit:
+                    # all or none: queueing the prompts that fit, then ending them with the batch,
+                    # held places in the queue that other clients were refused meanwhile (QA)
+                    raise QueueFullError(f"waiting queue has room for {max(limit - waiting, 0)} requests, "
+                                         f"and prompt has {len(prompts)} prompts")
+                texts = [p if isinstance(p, str) else self.service.tokenizer.decode(p) for p in prompts] \
+                    if body.echo else None
+                rooms = [None] * len(prompts)
+                if body.max_tokens is None:   # a null max_tokens: what is left after each prompt (vLLM)
+                    prompts = [await self.service.prepare(self.service.tokenize_text, p, chars=len(p))
+                               if isinstance(p, str) else p for p in prompts]
+                    rooms = [self.service.llm.engine.max_model_len - len(p) for p in prompts]
+                params = [self.service.sampling_params(body.sampling_values(room)) for room in rooms]
+            except Exception as e:  # noqa: BLE001
+                return self._rejected(e)
+            try:   # errors from here on are counted where the engine raises them (engine_service)
+                return await self._run(request, body, prompts, params, "text", texts, admission)
+            except Exception as e:  # noqa: BLE001 - every request error becomes an HTTP status
+                return error_response(e)
 
     async def chat(self, body: oa.ChatCompletionRequest, request: Request):
-        try:
-            self._check_model(body.model)
-            ids = await self.service.prepare(self.service.chat_prompt, body.message_dicts(), body.add_generation_prompt)
-            engine = self.service.llm.engine
-            values = body.sampling_values(engine.max_model_len - len(ids))
-            if body.max_completion_tokens is not None:   # the engine's check, naming the field as sent
-                engine.scheduler.check_room(len(ids), body.max_completion_tokens, "max_completion_tokens")
-            params = self.service.sampling_params(values)
-        except Exception as e:  # noqa: BLE001
-            return self._rejected(e)
-        try:
-            return await self._run(request, body, [ids], [params], "chat", None)
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
+        with ExitStack() as held:   # admitted: a drain waits for it while its text is tokenized
+            try:
+                self._check_model(body.model)
+                admission = held.enter_context(self.service.llm.admit())
+                messages = body.message_dicts()
+                ids = await self.service.prepare(self.service.chat_prompt, messages, body.add_generation_prompt,
+                                                 chars=self.service.chat_chars(messages))
+                engine = self.service.llm.engine
+                values = body.sampling_values(engine.max_model_len - len(ids))
+                if body.max_completion_tokens is not None:   # the engine's check, naming the field as sent
+                    engine.scheduler.check_room(len(ids), body.max_completion_tokens, "max_completion_tokens")
+                params = self.service.sampling_params(values)
+            except Exception as e:  # noqa: BLE001
+                return self._rejected(e)
+            try:
+                return await self._run(request, body, [ids], [params], "chat", None, admission)
+            except Exception as e:  # noqa: BLE001
+                return error_response(e)
 
 
 class ResponseFormat:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from contextlib import aclosing
+from contextlib import ExitStack, aclosing
 
 import grpc
 import numpy as np
@@ -175,14 +175,19 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         return kpb.ModelConfigResponse(config=config)
 
     # -- inference ------------------------------------------------------------------------
-    async def _parse(self, request: kpb.ModelInferRequest, timeout: float | None, infer: bool = False):
-        """The request's ``EnsembleRequest`` and ``SamplingParams``, read on the tokenizing
-        threads (its text tensors are tokenized); ``infer``: for ModelInfer, which refuses
-        ``stream=true``. A refused request counts in the request outcomes (an unknown model as
-        ``invalid_argument``), as the other front ends count theirs; one cancelled or past its
-        deadline (``timeout`` s) meanwhile too (EngineService.prepare)."""
+    async def _parse(self, request: kpb.ModelInferRequest, timeout: float | None, held: ExitStack,
+                     infer: bool = False):
+        """The request's ``EnsembleRequest``, ``SamplingParams`` and ``Admission``: taken by the
+        engine first (``AsyncLLM.admit``, held by ``held``: a drain waits for it from here),
+        then read on the tokenizing threads (its text tensors are tokenized); ``infer``: for
+        ModelInfer, which refuses ``stream=true``. A refused request counts in the request
+        outcomes (an unknown model as ``invalid_argument``), as the other front ends count
+        theirs; one cancelled or past its deadline (``timeout`` s) meanwhile too
+        (EngineService.prepare)."""
         try:
-            ereq, params = await self.service.prepare(self._read, request, timeout=timeout)
+            admission = held.enter_context(self.service.llm.admit())
+            # its size in bytes stands for its text's characters
+            ereq, params = await self.service.prepare(self._read, request, timeout=timeout, chars=request.ByteSize())
             if infer and ereq.stream:
                 raise ValueError("stream=true needs ModelStreamInfer (decoupled); "
                                  "ModelInfer returns the whole text at once")
@@ -190,7 +195,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             self.service.metrics.record_failed("invalid_argument" if isinstance(e, NotFoundError)
                                                else classify(e).name.lower())
             raise
-        return ereq, params
+        return ereq, params, admission
 
     def _read(self, request: kpb.ModelInferRequest):
         if request.model_name not in self.model_names or request.model_version not in ("", "1"):
@@ -212,9 +217,11 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
-            ereq, params = await self._parse(request, context.time_remaining(), infer=True)
-            acc = await self.service.generate_all(ereq.prompt, params, uuid.uuid4().hex, context.time_remaining(),
-                                                  cache_salt=ereq.cache_salt)
+            with ExitStack() as held:
+                ereq, params, admission = await self._parse(request, context.time_remaining(), held, infer=True)
+                acc = await self.service.generate_all(ereq.prompt, params, uuid.uuid4().hex,
+                                                      context.time_remaining(), cache_salt=ereq.cache_salt,
+                                                      admission=admission)
         except NotFoundError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except Exception as e:  # noqa: BLE001 - every request error becomes a status
@@ -226,30 +233,31 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     async def _stream_one(self, request, timeout: float | None = None):
         """Responses of one request of a stream (``ModelStreamInferResponse``); ``timeout``:
         seconds left of the stream's deadline when the request came (None: none)."""
-        ereq, params = await self._parse(request, timeout)
-        empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
-            if "triton_enable_empty_final_response" in request.parameters else False
-        acc = Accumulator()
-        async with aclosing(self.service.generate(ereq.prompt, params, uuid.uuid4().hex, timeout,
-                                                  cache_salt=ereq.cache_salt)) as gen:
-            async for out in gen:
-                acc.add(out)
-                if not ereq.stream:
-                    continue
-                last = out.finished and not empty_final
-                for i, o in enumerate(out.outputs):
-                    is_last = last and i == len(out.outputs) - 1
-                    if not o.text and not is_last:
+        with ExitStack() as held:   # the admission: a drain waits for the request from its arrival
+            ereq, params, admission = await self._parse(request, timeout, held)
+            empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
+                if "triton_enable_empty_final_response" in request.parameters else False
+            acc = Accumulator()
+            async with aclosing(self.service.generate(ereq.prompt, params, uuid.uuid4().hex, timeout,
+                                                      cache_salt=ereq.cache_salt, admission=admission)) as gen:
+                async for out in gen:
+                    acc.add(out)
+                    if not ereq.stream:
                         continue
-                    lps = _token_logprobs(o) if ereq.return_log_probs else None
-                    yield infer_response(request, self._outputs(ereq, acc, o.text, lps), is_last)
-        if not ereq.stream:
-            results = acc.results()
-            lps = _token_logprobs(results[0]) if ereq.return_log_probs else None
-            yield infer_response(request, self._outputs(ereq, acc, [s.text for s in results], lps),
-                                 not empty_final)
-        if empty_final:
-            yield infer_response(request, {}, True)
+                    last = out.finished and not empty_final
+                    for i, o in enumerate(out.outputs):
+                        is_last = last and i == len(out.outputs) - 1
+                        if not o.text and not is_last:
+                            continue
+                        lps = _token_logprobs(o) if ereq.return_log_probs else None
+                        yield infer_response(request, self._outputs(ereq, acc, o.text, lps), is_last)
+            if not ereq.stream:
+                results = acc.results()
+                lps = _token_logprobs(results[0]) if ereq.return_log_probs else None
+                yield infer_response(request, self._outputs(ereq, acc, [s.text for s in results], lps),
+                                     not empty_final)
+            if empty_final:
+                yield infer_response(request, {}, True)
 
     async def ModelStreamInfer(self, request_iterator, context):
         responses: asyncio.Queue = asyncio.Queue(self.stream_buffer)
