@@ -784,8 +784,11 @@ def test_queue_full_is_429(secure):
         async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=cert), timeout=120, headers={"Authorization": "Bearer k3y"}) as h:
             return await asyncio.gather(*[h.post(url, json=long) for _ in range(4)])
 
-    statuses = sorted(r.status_code for r in asyncio.run(burst()))
+    answers = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in answers)
     assert statuses[0] == 200 and statuses[-1] == 429 and set(statuses) == {200, 429}
+    # "waiting queue is full ...": no parameter is at fault (param was "waiting")
+    assert all(r.json()["error"]["param"] is None for r in answers if r.status_code == 429)
     with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=60, headers={"Authorization": "Bearer k3y"}) as h:
         r = h.post(url, json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200

@@ -41,7 +41,9 @@ def error_response(e: BaseException) -> JSONResponse:
     status = 404 if isinstance(e, NotFound) else classify(e).http
     message = str(e) or type(e).__name__
     first = message.split(" ", 1)[0].rstrip(":,")
-    param = first if first.isidentifier() and first.islower() else None
+    # a bad parameter's message starts with its name; others ("the engine is shutting down")
+    # name none (a 503's param was "the")
+    param = first if status == 400 and first.isidentifier() and first.islower() else None
     return JSONResponse(oa.error_body(status, message, param), status_code=status)
 
 
