@@ -616,9 +616,11 @@ def test_a_drain_waits_for_requests_being_tokenized_or_admitted(smollm2_engine):
     end took (``AsyncLLM.admit``) and still prepares (renders a chat template, reads KServe
     tensors). The drain waits for both. They were refused (503 / UNAVAILABLE, or HTTP 500 once
     uvicorn's own grace ran out) and the drain returned at once (QA 15, QA 15b N2). A request
-    that starts after the drain began is refused, and so is an admitted one that reaches the
-    engine only after the drain gave up and aborted every request."""
-    from trtllm_lite.async_llm import AsyncLLM, ShuttingDownError
+    that starts after the drain began is refused. Once the drain gives up (aborts every
+    request), what an admitted request still waits for (a tokenizing thread) is refused at
+    once, and the drain ends without waiting for it: it waited until the text was tokenized,
+    only to refuse it then, and a server exited 3 s past a 3 s grace (QA 16)."""
+    from trtllm_lite.async_llm import SHORT_TEXT_SIZE, AsyncLLM, ShuttingDownError
 
     words = slow_bad_words()
     llm = AsyncLLM(smollm2_engine, num_threads=2, num_kv_blocks=64)
@@ -639,13 +641,26 @@ def test_a_drain_waits_for_requests_being_tokenized_or_admitted(smollm2_engine):
                         pass
                 outs = [o async for o in llm.generate("Hi", SamplingParams(max_tokens=2), admission=served)]
                 assert outs[-1].finished and await task
-                await asyncio.sleep(0.1)
+                # every tokenizing thread busy for 3 s: what `late` asks for waits for one
+                busy = [asyncio.ensure_future(llm.tokenizing(time.sleep, 3, size=size))
+                        for size in [1] + [SHORT_TEXT_SIZE + 1] * (os.cpu_count() or 1)]
+                queued = [asyncio.ensure_future(llm.tokenizing(len, "Hi", size=1, admission=late)),
+                          asyncio.ensure_future(anext(llm.generate("Hi", SamplingParams(max_tokens=2),
+                                                                   admission=late)))]
+                await asyncio.sleep(0.2)
                 assert not drain.done()                  # `late` is still held
+                start = time.monotonic()
                 llm.abort_all()                          # as Server.stop does once the grace is over
+                drained = await drain
+                refused = await asyncio.gather(*queued, return_exceptions=True)
+                took = time.monotonic() - start
+                assert all(isinstance(r, ShuttingDownError) for r in refused), refused
+                assert took < 1.5, took                  # not once the threads are free (3 s)
                 with pytest.raises(ShuttingDownError):
                     async for _ in llm.generate("Hi", SamplingParams(max_tokens=2), admission=late):
                         pass
-            return await drain
+            await asyncio.gather(*busy)
+            return drained
 
         assert asyncio.run(run())
         assert llm.num_in_flight() == 0
@@ -688,6 +703,18 @@ def test_sigterm_serves_a_chat_still_queued_for_tokenizing(smollm2_engine):
     assert finished[0] == ("short_chat", "length"), finished
     assert sorted(finished) == [("bad_words0", "length"), ("bad_words1", "length"), ("long_chat", "length"),
                                 ("short_chat", "length")]
+
+
+def test_tokenizing_size_counts_what_makes_tokenizing_slow():
+    """Work goes to the short-text thread by its size: characters, non-ASCII ones counting 4,
+    plus 64 a string. Each of these took 15-500 ms on that thread as mere characters (QA 16):
+    8,192 emoji, 2,048 four-character bad words, 25,000 empty chat messages."""
+    from trtllm_lite.async_llm import SHORT_TEXT_SIZE, tokenizing_size
+
+    assert tokenizing_size(["Hello " * 1300]) <= SHORT_TEXT_SIZE               # ~7.8k ASCII characters
+    assert tokenizing_size(["\U0001F600" * 2048]) > SHORT_TEXT_SIZE
+    assert tokenizing_size(["abcd"] * 2048) > SHORT_TEXT_SIZE
+    assert SHORT_TEXT_SIZE < tokenizing_size([""] * 25_000) < 2 * SHORT_TEXT_SIZE   # stops counting
 
 
 def test_the_tokenizing_pool_never_holds_the_process_at_exit():

@@ -136,7 +136,22 @@ class RequestStream:
         return self.items.popleft()
 
 
-SHORT_TEXT_CHARS = 8192   # text up to this long tokenizes in ~1 ms: AsyncLLM.tokenizing's own thread
+SHORT_TEXT_SIZE = 8192   # tokenizing work up to this size (tokenizing_size) takes ~1 ms: a thread of its own
+_PIECE_SIZE = 64         # each separately tokenized text (a bad word, a chat message's role or content)
+
+
+def tokenizing_size(texts) -> int:
+    """The size of tokenizing the strings ``texts`` (for :meth:`AsyncLLM.tokenizing`): their
+    characters, each non-ASCII one counting 4 (emoji become ~4 byte-level tokens: 8,192 of them
+    took ~15 ms, not ~1), plus 64 a string (a tokenizer call, or a chat message's part: 2,048
+    four-character bad words, or 25,000 empty messages, took 0.1-0.5 s; QA 16). Counting stops
+    once past ``SHORT_TEXT_SIZE``, so a long list costs little to size."""
+    total = 0
+    for text in texts:
+        total += _PIECE_SIZE + (len(text) if text.isascii() else 4 * len(text))
+        if total > SHORT_TEXT_SIZE:
+            break
+    return total
 
 
 class DaemonPool:
@@ -217,6 +232,7 @@ class AsyncLLM:
         self._preparing = 0        # requests being tokenized on a worker thread (not in _streams yet)
         self._abort_all_count = 0  # abort_all() calls: a request tokenized across one is refused
         self._admissions = 0       # admit()'s requests whose front end still holds them (a drain waits)
+        self._aborts_at_stop = 0   # abort_all() calls before the engine stopped accepting
         self._error: BaseException | None = None
         self._accepting = True
         self._stopped = False
@@ -234,26 +250,54 @@ class AsyncLLM:
     def from_engine(cls, engine: LLMEngine, **options) -> "AsyncLLM":
         return cls(engine=engine, **options)
 
-    async def tokenizing(self, fn, *args, chars: int):
+    async def tokenizing(self, fn, *args, size: int, admission: Admission | None = None):
         """``fn(*args)`` on the tokenizing threads, off the event loop: for work that tokenizes
         text (prompts, chat templates, bad words), which releases the GIL while it runs.
-        ``chars``: the text's length in characters. Up to ``SHORT_TEXT_CHARS`` (~1 ms of
-        tokenizing), the call runs on a thread of its own, so short text never waits behind
-        long text (during a flood of 24 long prompts, a short chat waited ~12 s; QA 15b D1');
-        longer text shares one thread per core."""
-        pool = self._short_text_pool if chars <= SHORT_TEXT_CHARS else self._tokenizer_pool
-        return await asyncio.wrap_future(pool.submit(functools.partial(fn, *args)))
+        ``size``: the work's :func:`tokenizing_size` (or a request's size in bytes). Up to
+        ``SHORT_TEXT_SIZE`` (~1 ms of tokenizing), the call runs on a thread of its own, so
+        short text never waits behind long text (during a flood of 24 long prompts, a short
+        chat waited ~12 s; QA 15b D1'); larger work shares one thread per core.
+
+        ``admission``: the request's (:meth:`admit`), when the work prepares one. Once the
+        request can only be refused (the drain gave up: ``abort_all`` after the engine stopped
+        accepting), :class:`ShuttingDownError` comes within ~50 ms, not when its text has been
+        tokenized, and a call not started is dropped.
+        """
+        return await self._tokenize(functools.partial(fn, *args), size,
+                                    None if admission is None else admission.aborts)
+
+    async def _tokenize(self, call, size: int, aborts: int | None):
+        """``call()`` on a tokenizing thread; for a request that came before ``aborts``
+        abort_all() calls (not None), refused once :meth:`_refuses` it: with 8 requests' long
+        bad words queued, a server exited 3 s past a 3 s grace tokenizing text only to refuse
+        it then (QA 16)."""
+        pool = self._short_text_pool if size <= SHORT_TEXT_SIZE else self._tokenizer_pool
+        future = asyncio.wrap_future(pool.submit(call))
+        if aborts is None:
+            return await future
+        try:
+            while not (await asyncio.wait({future}, timeout=0.05))[0]:
+                if self._refuses(aborts):
+                    raise ShuttingDownError("the engine is shutting down and accepts no new requests")
+            return future.result()
+        finally:
+            future.cancel()   # a call not started yet never runs (a finished one is unaffected)
+
+    def _refuses(self, aborts: int) -> bool:
+        """Whether a request that came after ``aborts`` abort_all() calls is refused now: the
+        engine stopped, or stopped accepting and aborted every request since it came."""
+        return self._stopped or (not self._accepting and self._abort_all_count != aborts)
 
     @staticmethod
-    def _text_chars(prompt, params: SamplingParams | None) -> int | None:
-        """Characters of text that building the request tokenizes (the prompt's, bad words'),
-        or None when it tokenizes none (token ids: cheap)."""
+    def _tokenizing_size(prompt, params: SamplingParams | None) -> int | None:
+        """The :func:`tokenizing_size` of building the request (its text prompt, its bad
+        words), or None when it tokenizes no text (token ids: cheap)."""
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         words = getattr(params, "bad_words", None) if params is not None else None
         if not isinstance(prompt, str) and not words:
             return None
-        return (len(prompt) if isinstance(prompt, str) else 0) + sum(len(w) for w in words or ())
+        return tokenizing_size(([prompt] if isinstance(prompt, str) else []) + list(words or ()))
 
     @property
     def tokenizer(self):
@@ -313,19 +357,19 @@ class AsyncLLM:
         # an abort_all, meanwhile
         aborts = self._abort_all_count if admission is None else admission.aborts
         request_id = request_id or uuid.uuid4().hex
-        chars = self._text_chars(prompt, sampling_params)
-        if chars is None:   # token ids: no thread hop
+        size = self._tokenizing_size(prompt, sampling_params)
+        if size is None:   # token ids: no thread hop
             request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt)
         else:
             self._preparing += 1
             try:
-                request = await self.tokenizing(self.engine.make_request, prompt, sampling_params,
-                                                request_id, cache_salt, chars=chars)
+                request = await self._tokenize(functools.partial(self.engine.make_request, prompt, sampling_params,
+                                                                 request_id, cache_salt), size, aborts)
             finally:
                 self._preparing -= 1
         if self._error is not None:
             raise EngineDeadError(f"engine stopped: {self._error!r}")
-        if self._stopped or (not self._accepting and self._abort_all_count != aborts):
+        if self._refuses(aborts):
             raise ShuttingDownError("the engine is shutting down and accepts no new requests")
         rid = request.request_id
         if rid in self._streams or rid in self._aborting:
@@ -395,6 +439,8 @@ class AsyncLLM:
 
     def stop_accepting(self) -> None:
         """Refuse new requests (:class:`ShuttingDownError`); in-flight ones go on."""
+        if self._accepting:
+            self._aborts_at_stop = self._abort_all_count
         self._accepting = False
 
     async def drain(self, timeout: float) -> bool:
@@ -408,11 +454,14 @@ class AsyncLLM:
         return self._drained()
 
     def _drained(self) -> bool:
-        return not self._streams and not self._preparing and not self._admissions
+        # once the drain has given up (abort_all while not accepting), requests still being
+        # tokenized or prepared can only be refused (_refuses): no need to wait for them
+        gave_up = not self._accepting and self._abort_all_count != self._aborts_at_stop
+        return not self._streams and (gave_up or (not self._preparing and not self._admissions))
 
     def shutdown(self) -> None:
         """Stop the engine thread (in-flight requests are aborted)."""
-        self._accepting = False
+        self.stop_accepting()
         self._stopped = True
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from ..async_llm import (Admission, AsyncLLM, EngineDeadError, EngineStepError, QueueFullError,
-                         RequestTimeoutError, ShuttingDownError)
+                         RequestTimeoutError, ShuttingDownError, tokenizing_size)
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import Metrics
@@ -209,9 +209,10 @@ class EngineService:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @staticmethod
-    def chat_chars(messages: Sequence[Mapping[str, Any]]) -> int:
-        """Characters of the messages' contents (strings), for ``AsyncLLM.tokenizing``."""
-        return sum(len(m.get("content") or "") for m in messages)
+    def chat_size(messages: Sequence[Mapping[str, Any]]) -> int:
+        """The ``tokenizing_size`` of rendering and tokenizing the messages (roles, contents:
+        strings) for ``AsyncLLM.tokenizing``."""
+        return tokenizing_size(m.get(k) or "" for m in messages for k in ("role", "content"))
 
     def chat_prompt(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (as
@@ -238,16 +239,16 @@ class EngineService:
             time.monotonic() >= deadline - _DEADLINE_SLACK - _DEADLINE_SLACK_RATIO * limit
         return "deadline_exceeded" if past else "cancelled"
 
-    async def prepare(self, fn, *args, chars: int, timeout: float | None = None):
-        """``fn(*args)``, work that tokenizes a generation request's text (``chars``
-        characters) before :meth:`generate` (a chat template, KServe's tensors), on the engine's
-        tokenizing threads (``AsyncLLM.tokenizing``).
-        A request cancelled meanwhile (the client left, or ``timeout`` s passed: its deadline)
-        is counted in the request outcomes here, as :meth:`generate` would count it. Errors
-        propagate uncounted: the caller counts its refusals."""
+    async def prepare(self, fn, *args, size: int, admission: Admission, timeout: float | None = None):
+        """``fn(*args)``, work that tokenizes the text (of ``size``) of a generation request the
+        engine took (``admission``) before :meth:`generate` (a chat template, KServe's tensors),
+        on the engine's tokenizing threads (``AsyncLLM.tokenizing``). A request cancelled
+        meanwhile (the client left, or ``timeout`` s passed: its deadline) is counted in the
+        request outcomes here, as :meth:`generate` would count it. Errors propagate uncounted:
+        the caller counts its refusals."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return await self.llm.tokenizing(fn, *args, chars=chars)
+            return await self.llm.tokenizing(fn, *args, size=size, admission=admission)
         except asyncio.CancelledError:
             self.metrics.record_failed(self._cancel_outcome(deadline, timeout))
             raise

@@ -7,6 +7,7 @@ from contextlib import ExitStack
 
 import grpc
 
+from ..async_llm import tokenizing_size
 from .engine_service import Accumulator, EngineService, ErrorKind, classify, position_logprobs
 from .params import SAMPLING_FIELDS
 from .protos import llm_service_pb2 as pb
@@ -122,7 +123,9 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
                 admission = held.enter_context(self.service.llm.admit())
                 if request.WhichOneof("prompt") == "chat":   # the template's text is tokenized
                     prompt = await self.service.prepare(self._prompt, request, timeout=context.time_remaining(),
-                                                        chars=sum(len(m.content) for m in request.chat.messages))
+                                                        admission=admission,
+                                                        size=tokenizing_size(v for m in request.chat.messages
+                                                                             for v in (m.role, m.content)))
                 else:   # text is tokenized by generate; token ids need no thread
                     prompt = self._prompt(request)
                 params = self.service.sampling_params(check_seed(sampling_values(request.sampling_params)))
@@ -176,11 +179,11 @@ class LLMServicer(pb_grpc.LLMServiceServicer):
                 add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
                 messages = [{"role": m.role, "content": m.content} for m in chat.messages]
                 ids = await self.service.llm.tokenizing(self.service.chat_prompt, messages, add,
-                                                        chars=self.service.chat_chars(messages))
+                                                        size=self.service.chat_size(messages))
             else:
                 special = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = await self.service.llm.tokenizing(self.service.tokenize_text, request.text, special,
-                                                        chars=len(request.text))
+                                                        size=tokenizing_size([request.text]))
         except Exception as e:  # noqa: BLE001
             await self._fail(context, e)
         return pb.TokenizeResponse(token_ids=ids, max_seq_len=self.service.llm.engine.scheduler_config.max_seq_len)

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..async_llm import Admission, QueueFullError
+from ..async_llm import Admission, QueueFullError, tokenizing_size
 from . import openai_protocol as oa
 from .engine_service import Accumulator, EngineService, RequestBatch, classify, position_logprobs
 
@@ -234,10 +234,10 @@ class OpenAIServer:
             if body.messages is not None:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
                 ids = await self.service.llm.tokenizing(self.service.chat_prompt, messages, body.add_generation_prompt,
-                                                        chars=self.service.chat_chars(messages))
+                                                        size=self.service.chat_size(messages))
             elif body.prompt is not None:
                 ids = await self.service.llm.tokenizing(self.service.tokenize_text, body.prompt,
-                                                        body.add_special_tokens, chars=len(body.prompt))
+                                                        body.add_special_tokens, size=tokenizing_size([body.prompt]))
             else:
                 raise ValueError("prompt or messages is required")
         except Exception as e:  # noqa: BLE001
@@ -342,7 +342,8 @@ class OpenAIServer:
                     if body.echo else None
                 rooms = [None] * len(prompts)
                 if body.max_tokens is None:   # a null max_tokens: what is left after each prompt (vLLM)
-                    prompts = [await self.service.prepare(self.service.tokenize_text, p, chars=len(p))
+                    prompts = [await self.service.prepare(self.service.tokenize_text, p, size=tokenizing_size([p]),
+                                                          admission=admission)
                                if isinstance(p, str) else p for p in prompts]
                     rooms = [self.service.llm.engine.max_model_len - len(p) for p in prompts]
                 params = [self.service.sampling_params(body.sampling_values(room)) for room in rooms]
@@ -360,7 +361,7 @@ class OpenAIServer:
                 admission = held.enter_context(self.service.llm.admit())
                 messages = body.message_dicts()
                 ids = await self.service.prepare(self.service.chat_prompt, messages, body.add_generation_prompt,
-                                                 chars=self.service.chat_chars(messages))
+                                                 size=self.service.chat_size(messages), admission=admission)
                 engine = self.service.llm.engine
                 values = body.sampling_values(engine.max_model_len - len(ids))
                 if body.max_completion_tokens is not None:   # the engine's check, naming the field as sent

@@ -186,8 +186,9 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         (EngineService.prepare)."""
         try:
             admission = held.enter_context(self.service.llm.admit())
-            # its size in bytes stands for its text's characters
-            ereq, params = await self.service.prepare(self._read, request, timeout=timeout, chars=request.ByteSize())
+            # its size in bytes stands for its tokenizing's (a BYTES tensor holds 4 more a string)
+            ereq, params = await self.service.prepare(self._read, request, timeout=timeout, size=request.ByteSize(),
+                                                      admission=admission)
             if infer and ereq.stream:
                 raise ValueError("stream=true needs ModelStreamInfer (decoupled); "
                                  "ModelInfer returns the whole text at once")
