@@ -576,6 +576,39 @@ async def loop_gaps():
         await ticker
 
 
+def test_the_servers_time_limit_counts_from_arrival_and_covers_the_wait_to_tokenize(local_llm):
+    """``--request-timeout`` counts from the request's arrival (its admission), and a request
+    still waiting for a tokenizing thread at its deadline ends then, counted as
+    deadline_exceeded: a chat queued 6 s behind long text was served past a 2 s limit, and a
+    prompt's bad words were refused only once tokenized (QA 16)."""
+    from trtllm_lite.async_llm import SHORT_TEXT_SIZE, RequestTimeoutError
+    from trtllm_lite.serving.engine_service import EngineService
+    from trtllm_lite.serving.metrics import Metrics
+
+    metrics = Metrics()
+    service = EngineService(local_llm, "smollm2", metrics, request_timeout=1.0)
+
+    async def run():
+        # every tokenizing thread busy for 3 s
+        busy = [asyncio.ensure_future(local_llm.tokenizing(time.sleep, 3, size=size))
+                for size in [1] + [SHORT_TEXT_SIZE + 1] * (os.cpu_count() or 1)]
+        await asyncio.sleep(0.1)
+        start = time.monotonic()
+        with local_llm.admit() as chat, local_llm.admit() as words:
+            with pytest.raises(RequestTimeoutError):   # a front end's own tokenizing (a chat's template)
+                await service.prepare(len, "Hi", size=1, admission=chat)
+            chat_took = time.monotonic() - start
+            with pytest.raises(RequestTimeoutError):   # the bad words generate tokenizes: what is left of 1 s
+                await service.generate_all("Hi", SamplingParams(max_tokens=2, bad_words=["x"]), admission=words)
+            words_took = time.monotonic() - start
+        await asyncio.gather(*busy)
+        return chat_took, words_took
+
+    chat_took, words_took = asyncio.run(run())
+    assert 0.9 < chat_took < 1.5 and words_took < 1.6, (chat_took, words_took)   # not after the 3 s wait
+    assert registry_outcomes(metrics) == {"deadline_exceeded": 1.0}   # generate's (a front end counts prepare's)
+
+
 def test_a_long_text_prompt_is_tokenized_while_the_event_loop_runs(local_llm):
     """AsyncLLM.generate tokenizes a text prompt on a worker thread, where the tokenizer
     releases the GIL, so the event loop every request shares keeps running: 200k CJK
@@ -711,7 +744,7 @@ def test_tokenizing_size_counts_what_makes_tokenizing_slow():
     8,192 emoji, 2,048 four-character bad words, 25,000 empty chat messages."""
     from trtllm_lite.async_llm import SHORT_TEXT_SIZE, tokenizing_size
 
-    assert tokenizing_size(["Hello " * 1300]) <= SHORT_TEXT_SIZE               # ~7.8k ASCII characters
+    assert tokenizing_size(["Hello " * 300]) <= SHORT_TEXT_SIZE                # 1,800 ASCII characters
     assert tokenizing_size(["\U0001F600" * 2048]) > SHORT_TEXT_SIZE
     assert tokenizing_size(["abcd"] * 2048) > SHORT_TEXT_SIZE
     assert SHORT_TEXT_SIZE < tokenizing_size([""] * 25_000) < 2 * SHORT_TEXT_SIZE   # stops counting

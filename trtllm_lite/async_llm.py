@@ -73,6 +73,7 @@ class Admission:
     def __init__(self, llm: "AsyncLLM"):
         self._llm = llm
         self.aborts = llm._abort_all_count   # abort_all() calls before it came
+        self.arrival = time.monotonic()      # when it came (s, monotonic): a server's time limit counts from it
         self._held = False
 
     def __enter__(self) -> "Admission":
@@ -136,14 +137,14 @@ class RequestStream:
         return self.items.popleft()
 
 
-SHORT_TEXT_SIZE = 8192   # tokenizing work up to this size (tokenizing_size) takes ~1 ms: a thread of its own
+SHORT_TEXT_SIZE = 2048   # tokenizing work up to this size (tokenizing_size) takes ~1-2 ms: a thread of its own
 _PIECE_SIZE = 64         # each separately tokenized text (a bad word, a chat message's role or content)
 
 
 def tokenizing_size(texts) -> int:
     """The size of tokenizing the strings ``texts`` (for :meth:`AsyncLLM.tokenizing`): their
-    characters, each non-ASCII one counting 4 (emoji become ~4 byte-level tokens: 8,192 of them
-    took ~15 ms, not ~1), plus 64 a string (a tokenizer call, or a chat message's part: 2,048
+    characters, each non-ASCII one counting 4 (CJK and emoji tokenize ~4x slower than ASCII
+    text: 512 of them take ~1.1-1.3 ms), plus 64 a string (a tokenizer call, or a chat message's part: 2,048
     four-character bad words, or 25,000 empty messages, took 0.1-0.5 s; QA 16). Counting stops
     once past ``SHORT_TEXT_SIZE``, so a long list costs little to size."""
     total = 0
@@ -250,35 +251,41 @@ class AsyncLLM:
     def from_engine(cls, engine: LLMEngine, **options) -> "AsyncLLM":
         return cls(engine=engine, **options)
 
-    async def tokenizing(self, fn, *args, size: int, admission: Admission | None = None):
+    async def tokenizing(self, fn, *args, size: int, admission: Admission | None = None,
+                         deadline: float | None = None):
         """``fn(*args)`` on the tokenizing threads, off the event loop: for work that tokenizes
         text (prompts, chat templates, bad words), which releases the GIL while it runs.
         ``size``: the work's :func:`tokenizing_size` (or a request's size in bytes). Up to
-        ``SHORT_TEXT_SIZE`` (~1 ms of tokenizing), the call runs on a thread of its own, so
+        ``SHORT_TEXT_SIZE`` (~1-2 ms of tokenizing: 2,048 ASCII characters took 1.4 ms, 8,192
+        took 8 ms, 8,192 CJK 25 ms; QA 16), the call runs on a thread of its own, so
         short text never waits behind long text (during a flood of 24 long prompts, a short
         chat waited ~12 s; QA 15b D1'); larger work shares one thread per core.
 
         ``admission``: the request's (:meth:`admit`), when the work prepares one. Once the
         request can only be refused (the drain gave up: ``abort_all`` after the engine stopped
         accepting), :class:`ShuttingDownError` comes within ~50 ms, not when its text has been
-        tokenized, and a call not started is dropped.
+        tokenized, and a call not started is dropped. ``deadline`` (monotonic s): the request's;
+        :class:`RequestTimeoutError` comes within ~50 ms of it, the same way.
         """
         return await self._tokenize(functools.partial(fn, *args), size,
-                                    None if admission is None else admission.aborts)
+                                    None if admission is None else admission.aborts, deadline)
 
-    async def _tokenize(self, call, size: int, aborts: int | None):
+    async def _tokenize(self, call, size: int, aborts: int | None, deadline: float | None):
         """``call()`` on a tokenizing thread; for a request that came before ``aborts``
-        abort_all() calls (not None), refused once :meth:`_refuses` it: with 8 requests' long
-        bad words queued, a server exited 3 s past a 3 s grace tokenizing text only to refuse
-        it then (QA 16)."""
+        abort_all() calls (not None), refused once :meth:`_refuses` it, or past ``deadline``:
+        with 8 requests' long bad words queued, a server exited 3 s past a 3 s grace tokenizing
+        text only to refuse it then, and a request queued 6 s was served past a 2 s
+        --request-timeout (QA 16)."""
         pool = self._short_text_pool if size <= SHORT_TEXT_SIZE else self._tokenizer_pool
         future = asyncio.wrap_future(pool.submit(call))
-        if aborts is None:
+        if aborts is None and deadline is None:
             return await future
         try:
             while not (await asyncio.wait({future}, timeout=0.05))[0]:
-                if self._refuses(aborts):
+                if aborts is not None and self._refuses(aborts):
                     raise ShuttingDownError("the engine is shutting down and accepts no new requests")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RequestTimeoutError("request deadline exceeded")
             return future.result()
         finally:
             future.cancel()   # a call not started yet never runs (a finished one is unaffected)
@@ -364,7 +371,7 @@ class AsyncLLM:
             self._preparing += 1
             try:
                 request = await self._tokenize(functools.partial(self.engine.make_request, prompt, sampling_params,
-                                                                 request_id, cache_salt), size, aborts)
+                                                                 request_id, cache_salt), size, aborts, deadline)
             finally:
                 self._preparing -= 1
         if self._error is not None:

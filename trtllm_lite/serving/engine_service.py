@@ -226,8 +226,15 @@ class EngineService:
     def sampling_params(self, values: Mapping[str, Any]) -> SamplingParams:
         return make_sampling_params(values)
 
-    def timeout(self, client_timeout: float | None) -> float | None:
-        limits = [t for t in (client_timeout, self.request_timeout) if t is not None]
+    def timeout(self, client_timeout: float | None, admission: Admission | None = None) -> float | None:
+        """Seconds a request has left (None: no limit): the client's ``client_timeout`` (s from
+        now) or the server's ``request_timeout``, counted from the request's arrival when it
+        has an ``admission`` (a request queued 6 s for tokenizing was served past a 2 s
+        limit; QA 16), whichever ends first."""
+        server = self.request_timeout
+        if server is not None and admission is not None:
+            server = max(server - (time.monotonic() - admission.arrival), 0.0)
+        limits = [t for t in (client_timeout, server) if t is not None]
         return min(limits) if limits else None
 
     @staticmethod
@@ -242,13 +249,15 @@ class EngineService:
     async def prepare(self, fn, *args, size: int, admission: Admission, timeout: float | None = None):
         """``fn(*args)``, work that tokenizes the text (of ``size``) of a generation request the
         engine took (``admission``) before :meth:`generate` (a chat template, KServe's tensors),
-        on the engine's tokenizing threads (``AsyncLLM.tokenizing``). A request cancelled
-        meanwhile (the client left, or ``timeout`` s passed: its deadline) is counted in the
-        request outcomes here, as :meth:`generate` would count it. Errors propagate uncounted:
-        the caller counts its refusals."""
+        on the engine's tokenizing threads (``AsyncLLM.tokenizing``). ``timeout``: the client's
+        seconds left (the server's ``request_timeout`` counts from the admission); past either,
+        ``RequestTimeoutError``. A request cancelled meanwhile (the client left, or its deadline
+        passed) is counted in the request outcomes here, as :meth:`generate` would count it.
+        Errors propagate uncounted: the caller counts its refusals."""
+        timeout = self.timeout(timeout, admission)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return await self.llm.tokenizing(fn, *args, size=size, admission=admission)
+            return await self.llm.tokenizing(fn, *args, size=size, admission=admission, deadline=deadline)
         except asyncio.CancelledError:
             self.metrics.record_failed(self._cancel_outcome(deadline, timeout))
             raise
@@ -270,7 +279,7 @@ class EngineService:
         outcome = "internal"
         last_token_time = None
         acc = Accumulator()
-        limit = self.timeout(timeout)
+        limit = self.timeout(timeout, admission)
         deadline = None if limit is None else time.monotonic() + limit
         try:
             gen = self.llm.generate(prompt, params, request_id, timeout=limit, cache_salt=cache_salt,
