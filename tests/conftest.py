@@ -136,6 +136,30 @@ def build_kernel_library(variant: str, tmp_path_factory) -> str:
         pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
 
 
+@pytest.fixture(scope="session")
+def emulated_cuda_library(tmp_path_factory) -> str:
+    """The CUDA kernels built for the CPU emulation (``plugins_cu/build.sh --emulation``),
+    once per session for every test file that runs them: its path (``TL_EMULATION_LIB``, e.g.
+    an AddressSanitizer build, where set), or a skip with the reason."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    prebuilt = os.environ.get("TL_EMULATION_LIB")
+    if prebuilt:
+        return prebuilt
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no host C++ compiler for the kernel emulation")
+    out = tmp_path_factory.mktemp("emulation")
+    build_sh = Path(__file__).resolve().parents[1] / "plugins_cu" / "build.sh"
+    result = subprocess.run(["bash", str(build_sh), "--emulation", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    if result.returncode != 0 and "CUDA headers not found" in result.stderr:
+        pytest.skip("CUDA headers not found: cannot build the kernel emulation")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return str(out / "libtrtllm_lite_kernels_emu.so")
+
+
 def kernel_isa(library) -> str:
     """Which loops a kernel library from :func:`build_kernel_library` runs: ``"avx512"``,
     ``"avx2"`` or ``"portable"`` (``"function-body"`` for ``None``: no library)."""

@@ -142,7 +142,7 @@ class Backend:
 
 
 @pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emulation"])
-def backend(request, tmp_path_factory):
+def backend(request):
     if request.param == "gpu":
         tlcuda.use_library(None)
         ok, reason = tlcuda.availability()
@@ -152,20 +152,7 @@ def backend(request, tmp_path_factory):
             pytest.skip("TRTLLM_LITE_CUDA_LIB points at the emulation build")
         yield Backend("gpu", max_context=4096)
     else:
-        prebuilt = os.environ.get("TL_EMULATION_LIB")  # e.g. an AddressSanitizer build
-        if prebuilt:
-            tlcuda.use_library(prebuilt)
-        else:
-            if shutil.which(os.environ.get("CXX", "g++")) is None:
-                pytest.skip("no host C++ compiler for the kernel emulation")
-            out = tmp_path_factory.mktemp("emulation")
-            result = subprocess.run(
-                ["bash", str(ROOT / "plugins_cu" / "build.sh"), "--emulation", "--out", str(out)],
-                capture_output=True, text=True, timeout=300)
-            if result.returncode != 0 and "CUDA headers not found" in result.stderr:
-                pytest.skip("CUDA headers not found: cannot build the kernel emulation")
-            assert result.returncode == 0, result.stdout + result.stderr
-            tlcuda.use_library(out / "libtrtllm_lite_kernels_emu.so")
+        tlcuda.use_library(request.getfixturevalue("emulated_cuda_library"))
         assert tlcuda.build_info() == "CPU emulation"
         yield Backend("emulation", max_context=1100)
     tlcuda.use_library(None)

@@ -18,8 +18,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -220,19 +218,11 @@ def test_default_export_is_the_onnx_runtime_graph(tiny_hf):
 # ---------------------------------------------------------------- the Python plugin's launch
 
 @pytest.fixture(scope="module")
-def emulated_kernels(tmp_path_factory):
+def emulated_kernels(emulated_cuda_library):
     """The CUDA kernels built for the CPU emulation (plugins_cu/emulation), loaded."""
     from trtllm_lite import cuda as tlcuda
 
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        pytest.skip("no host C++ compiler for the kernel emulation")
-    out = tmp_path_factory.mktemp("emu")
-    result = subprocess.run(["bash", str(ROOT / "plugins_cu" / "build.sh"), "--emulation", "--out", str(out)],
-                            capture_output=True, text=True, timeout=300)
-    if result.returncode != 0 and "CUDA headers not found" in result.stderr:
-        pytest.skip("CUDA headers not found: cannot build the kernel emulation")
-    assert result.returncode == 0, result.stderr
-    tlcuda.use_library(out / "libtrtllm_lite_kernels_emu.so")
+    tlcuda.use_library(emulated_cuda_library)
     yield tlcuda
     tlcuda.use_library(None)
 
