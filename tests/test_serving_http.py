@@ -333,6 +333,8 @@ def test_client_leaving_a_non_streamed_request_frees_blocks(server, grpc_client)
     ({"prompt": "Hi", "logit_bias": {"1_0": 1}}, 400, "logit_bias"),
     ({"prompt": "Hi", "model": "gpt-4"}, 404, None),
     ({}, 400, "prompt"),
+    # without stream there is no stream to configure: OpenAI and vLLM refuse it (QA 16b)
+    ({"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ])
 def test_error_statuses(server, oai, body, status, param):
     r = httpx.post(f"http://{server.http}/v1/completions", json={"model": "smollm2", **body}, timeout=60)

@@ -64,6 +64,8 @@ class _Sampling(BaseModel):
                              "(as in vLLM): a streamed answer does not carry them")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+        if self.stream_options is not None and not self.stream:   # as OpenAI and vLLM refuse it
+            raise ValueError("stream_options is only allowed with stream=true")
         bias = None
         if self.logit_bias:
             # canonical decimal only: int() also takes " 5", "-0", "+5", "0_5" and "٥"
