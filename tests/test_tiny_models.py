@@ -71,6 +71,38 @@ def test_prefill_and_decode_logits_match_hf(tiny_model, kind, prepacking, custom
             np.testing.assert_allclose(row, hf_logits(hf, s.token_ids)[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("custom_kernels", [True, False], ids=["kernels", "function-bodies"])
+def test_a_step_of_decodes_and_prompts_is_one_call_with_the_kernels(tiny_model, custom_kernels):
+    """Decodes and prompts of different lengths in one step: with trtllm-lite's kernels
+    (attention without padding) one graph call, so the weights are read once; with the
+    function bodies (which pad every sequence to the call's longest) the calls
+    group_by_query_length makes. The logits match HF either way."""
+    from trtllm_lite.ort_kernels import library_path
+
+    if custom_kernels and library_path() is None:
+        pytest.skip("trtllm-lite's kernels do not build here (no C++ compiler)")
+    hf, engine_dir = tiny_model("llama-gqa")
+    runner = OnnxRuntimeRunner(load_engine_dir(engine_dir, verify_checksums=False), 96,
+                               options=OrtOptions(custom_kernels=custom_kernels))
+    calls = []
+    run = runner._run
+    runner._run = lambda kind, inputs: calls.append(len(inputs.query_start_loc) - 1) or run(kind, inputs)
+    rng = np.random.default_rng(4)
+    decodes = [ScheduledSeq(rng.integers(0, 256, n).tolist(), list(range(8 * i, 8 * i + 8)), 0, n)
+               for i, n in enumerate((3, 9))]
+    runner.execute(StepBatch(prefill=decodes))   # their prompts, cached
+    for s in decodes:
+        s.token_ids.append(int(rng.integers(0, 256)))
+        s.start, s.num_new_tokens = len(s.token_ids) - 1, 1
+    prompts = [ScheduledSeq(rng.integers(0, 256, n).tolist(), list(range(16 + 40 * i, 56 + 40 * i)), 0, n)
+               for i, n in enumerate((150, 20))]
+    calls.clear()
+    logits = runner.execute(StepBatch(decode=decodes, prefill=prompts))
+    assert calls == ([4] if custom_kernels else [1, 3])
+    for row, s in zip(logits, decodes + prompts):
+        np.testing.assert_allclose(row, hf_logits(hf, s.token_ids)[-1], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_ids_match_hf_generate(tiny_model, kind):
     hf, engine_dir = tiny_model(kind)

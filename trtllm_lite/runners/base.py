@@ -90,7 +90,9 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
 
 
 def group_by_query_length(seqs: list[ScheduledSeq], max_padding: int = 1 << 14) -> list[list[int]]:
-    """Split one step's sequences into graph calls whose attention padding stays small.
+    """Split one step's sequences into graph calls whose attention padding stays small
+    (ONNX Runtime without trtllm-lite's kernels: their C++ PagedAttention pads nothing, so
+    with them every step is one call).
 
     The PagedAttention function body pads every sequence of a call to the call's longest
     query ``Q`` and attends each padded row to the call's longest key range ``L`` (cached
