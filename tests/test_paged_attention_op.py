@@ -169,6 +169,12 @@ PREFILL_CASES = [c for c in CASES if set(c[5]) != {1}] + [
     (8, 2, 32, 40, [81, 5], [20, 45]),             # 40-row blocks
     (4, 4, 16, 17, [300, 0], [2, 50]),             # 17-row blocks
     (9, 3, 64, 16, [0, 300, 40, 1000], [64, 1, 1, 1]),   # one prompt and three decodes
+    # decodes between prompt chunks and a draft verification, each sequence's token wherever
+    # it lies in the step: ten decodes (the decode kernels' item per sequence), with a cached
+    # context of zero, one and several blocks
+    (9, 3, 64, 16, [20, 0, 33, 16, 0, 1, 47, 64, 5, 200, 90, 9, 130],
+     [1, 12, 1, 1, 1, 1, 5, 1, 1, 1, 1, 1, 30]),
+    (6, 2, 16, 4, [5, 0, 17], [1, 3, 1]),          # two decodes: the chunked decode path
 ]
 
 

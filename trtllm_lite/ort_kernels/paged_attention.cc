@@ -26,9 +26,9 @@
 // (scores, then the weighted sum of values), fetching the next block ahead (blocks lie
 // anywhere in the pool, where the hardware prefetcher cannot follow).
 //
-// Other steps (prompts, prompt chunks, draft verification, mixed with decodes): tiles of a
-// sequence's tokens x one KV head's query heads, keys 64 at a time with an online softmax
-// (attend_tile, below).
+// Other steps (prompts, prompt chunks, draft verification, mixed with decodes): the decodes
+// as above (run_mixed_decodes), the rest in tiles of a sequence's tokens x one KV head's
+// query heads, keys 64 at a time with an online softmax (attend_tile, below).
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -819,6 +819,64 @@ OrtStatus* run_decode(OrtKernelContext* context, DecodeStep& step, int64_t S) {
                       kv_bytes < (64 << 10));
 }
 
+// A decode step (token s is sequence s's) over these tensors (shapes: the op's inputs).
+DecodeStep decode_step(const float* query, const float* key, const float* value, const float* key_cache,
+                       const float* value_cache, const int64_t* block_tables, const int64_t* context_lens,
+                       float* output, int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t M, float scale) {
+  DecodeStep step{};
+  step.query = query;
+  step.key = key;
+  step.value = value;
+  step.key_cache = key_cache;
+  step.value_cache = value_cache;
+  step.block_tables = block_tables;
+  step.context_lens = context_lens;
+  step.output = output;
+  step.num_heads = H;
+  step.num_kv_heads = Hkv;
+  step.head_dim = D;
+  step.block_size = B;
+  step.max_blocks = M;
+  step.scale = scale;
+  return step;
+}
+
+// The one-token sequences of a mixed step through run_decode: their query, new K/V, block
+// table rows and context lengths copied into a decode step's layout, the outputs copied back.
+OrtStatus* run_mixed_decodes(OrtKernelContext* context, const float* query, const float* key, const float* value,
+                             const float* key_cache, const float* value_cache, const int64_t* block_tables,
+                             const int64_t* context_lens, const int64_t* query_start_loc, float* output, int64_t S,
+                             int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t M, float scale) {
+  thread_local std::vector<int64_t> seqs, tables, lens;
+  thread_local std::vector<float> q, k, v, out;
+  seqs.clear();
+  for (int64_t s = 0; s < S; ++s)
+    if (query_start_loc[s + 1] - query_start_loc[s] == 1) seqs.push_back(s);
+  const int64_t n = static_cast<int64_t>(seqs.size());
+  if (n == 0) return nullptr;
+  const auto size = [](int64_t x) { return static_cast<size_t>(x); };
+  q.resize(size(n * H * D));
+  k.resize(size(n * Hkv * D));
+  v.resize(size(n * Hkv * D));
+  out.resize(size(n * H * D));
+  tables.resize(size(n * M));
+  lens.resize(size(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = seqs[size(i)], token = query_start_loc[s];
+    std::memcpy(q.data() + i * H * D, query + token * H * D, sizeof(float) * size(H * D));
+    std::memcpy(k.data() + i * Hkv * D, key + token * Hkv * D, sizeof(float) * size(Hkv * D));
+    std::memcpy(v.data() + i * Hkv * D, value + token * Hkv * D, sizeof(float) * size(Hkv * D));
+    std::memcpy(tables.data() + i * M, block_tables + s * M, sizeof(int64_t) * size(M));
+    lens[size(i)] = context_lens[s];
+  }
+  DecodeStep step = decode_step(q.data(), k.data(), v.data(), key_cache, value_cache, tables.data(), lens.data(),
+                                out.data(), H, Hkv, D, B, M, scale);
+  RETURN_IF_ERROR(run_decode(context, step, n));
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(output + query_start_loc[seqs[size(i)]] * H * D, out.data() + i * H * D, sizeof(float) * size(H * D));
+  return nullptr;
+}
+
 OrtStatus* Kernel::compute(OrtKernelContext* context) {
   Tensor t[kNumRequired];
   for (size_t i = 0; i < kNumRequired; ++i) RETURN_IF_ERROR(read_input(context, i, &t[i]));
@@ -878,23 +936,16 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
   RETURN_IF_ERROR(data_of(t[4].value, &value_cache));
   if (all_decode) {   // token s is sequence s's
-    DecodeStep step{};
-    step.query = query;
-    step.key = key;
-    step.value = value;
-    step.key_cache = key_cache;
-    step.value_cache = value_cache;
-    step.block_tables = block_tables;
-    step.context_lens = context_lens;
-    step.output = output;
-    step.num_heads = H;
-    step.num_kv_heads = Hkv;
-    step.head_dim = D;
-    step.block_size = B;
-    step.max_blocks = M;
-    step.scale = scale;
+    DecodeStep step = decode_step(query, key, value, key_cache, value_cache, block_tables, context_lens, output, H,
+                                  Hkv, D, B, M, scale);
     return run_decode(context, step, S);
   }
+  // A step that mixes decodes with prompt chunks or draft verifications: the decodes run the
+  // decode kernels (on copies laid out as a decode step's, token i = sequence i), which read
+  // the context at about twice the rate of one-token tiles (63 decodes at 475 tokens with a
+  // 2-token prompt: 4.1-4.5 -> 7.9-9.2 ms a layer through the tiles); the rest runs the tiles.
+  RETURN_IF_ERROR(run_mixed_decodes(context, query, key, value, key_cache, value_cache, block_tables, context_lens,
+                                    query_start_loc, output, S, H, Hkv, D, B, M, scale));
   const int64_t group = H / Hkv;
   PrefillStep step{query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc, output,
                    H, Hkv, D, B, M, std::max<int64_t>(1, 128 / group), nullptr, scale};
@@ -904,12 +955,14 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   int64_t work = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+    if (q_len == 1) continue;   // run_mixed_decodes'
     for (int64_t j0 = 0; j0 < q_len; j0 += step.tile) {
       work += (context_lens[s] + std::min(q_len, j0 + step.tile)) * std::min(step.tile, q_len - j0);
       for (int64_t h = 0; h < Hkv; ++h) items.push_back({s, h, j0});
     }
   }
   auto keys = [&](const std::array<int64_t, 3>& it) { return context_lens[it[0]] + it[2]; };
+  if (items.empty()) return nullptr;
   std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) { return keys(a) > keys(b); });
   step.items = items.front().data();
   const int64_t num_items = static_cast<int64_t>(items.size());
