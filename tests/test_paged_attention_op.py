@@ -207,6 +207,34 @@ def test_kernel_matches_reference(kernel_library, heads, kv_heads, head_dim, blo
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ctx,qlens", [
+    ([20, 37, 100, 5, 60, 61, 62, 63, 9], [1] * 9),   # a work item per sequence
+    ([300, 250], [1, 1]),                              # chunks of the context, merged
+    ([20, 37, 100, 5, 60, 61, 62, 63, 9, 0], [1] * 9 + [5]),   # decodes beside a prompt
+], ids=["decode", "decode-chunks", "mixed"])
+def test_kernel_softmax_holds_when_the_largest_score_is_the_last(kernel_library, ctx, qlens):
+    """Scores far past exp's float32 range (~400), the largest at a decode's own new token (the
+    last position, past the row's last whole vector of 8 or 16): the kernel must subtract the
+    true row max there, or exp overflows. Against the float64 reference."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    step = random_step(np.random.default_rng(5), ctx, qlens, heads, kv_heads, head_dim, 16)
+    group = heads // kv_heads
+    for s, q_len in enumerate(qlens):
+        if q_len != 1:
+            continue
+        t = int(step["query_start_loc"][s])
+        for h in range(kv_heads):   # the group's query heads all point along the new key, scaled up
+            step["query"][t, h * group:(h + 1) * group] = step["key"][t, h]
+        step["key"][t] *= 50.0
+    sess = kernel_session(kernel_library, heads, kv_heads, head_dim, metadata=False)
+    (got,) = sess.run(None, step)
+    want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
+                                     step["value_cache"], step["block_tables"], step["context_lens"],
+                                     step["query_start_loc"], head_dim ** -0.5)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("qlens", [[1, 1], [1, 6]], ids=["decode", "prefill"])
 @pytest.mark.parametrize("field,value,message", [
     ("block_tables", 10_000, "block_tables\\[0, 1\\] = 10000 outside the pool's"),
