@@ -85,20 +85,27 @@ def make_tiny_hf(kind: str, out: str, seed: int = 0) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """``tiny_model(kind) -> (hf_model, engine_dir)``, cached per kind for the session."""
+    """``tiny_model(kind, **build_options) -> (hf_model, engine_dir)``, cached per kind and
+    options for the session; every engine of a kind is built from the same checkpoint (extra
+    ``build_options``, e.g. ``kv_cache_dtype="float16"``, go to ``BuildConfig``)."""
     import transformers
 
-    cache = {}
+    checkpoints, cache = {}, {}
 
-    def get(kind: str):
-        if kind not in cache:
+    def get(kind: str, **build_options):
+        if kind not in checkpoints:
             root = tmp_path_factory.mktemp(kind)
             hf_dir = make_tiny_hf(kind, str(root / "hf"))
-            engine = build(hf_dir, str(root / "engine"), max_seq_len=256, max_num_batched_tokens=256,
-                           max_num_seqs=16, block_size=4)
             hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
-            cache[kind] = (hf, engine)
-        return cache[kind]
+            checkpoints[kind] = (root, hf_dir, hf)
+        key = (kind, tuple(sorted(build_options.items())))
+        if key not in cache:
+            root, hf_dir, hf = checkpoints[kind]
+            name = "engine" + "".join(f"-{k}={v}" for k, v in key[1])
+            engine = build(hf_dir, str(root / name), max_seq_len=256, max_num_batched_tokens=256,
+                           max_num_seqs=16, block_size=4, **build_options)
+            cache[key] = (hf, engine)
+        return cache[key]
 
     return get
 
@@ -115,12 +122,12 @@ def cpu_flags() -> set:
 def build_kernel_library(variant: str, tmp_path_factory) -> str:
     """trtllm-lite's ONNX Runtime kernel library as the runtime builds it (``native``:
     ``-march=native``), with AVX-512 off (``avx2``: the AVX2 loops, where the CPU has AVX2,
-    FMA and F16C; skipped where native already is that build), with AVX-512 and AVX2 off
+    FMA and F16C; skipped where native already is that build), with AVX-512, AVX2 and F16C off
     (``portable``: the loops other CPUs run), or with AVX-512 but not its VNNI instructions
     (``no-vnni``: the float32 batch-1 loop of ``QuantizedLinear``); a skip with the reason
     where it does not build or would be the same as another."""
     from trtllm_lite.ort_kernels import KernelBuildError, build_library
-    flags = {"portable": ("-mno-avx512f", "-mno-avx2"), "no-vnni": ("-mno-avx512vnni",), "avx2": ("-mno-avx512f",)}
+    flags = {"portable": ("-mno-avx512f", "-mno-avx2", "-mno-f16c"), "no-vnni": ("-mno-avx512vnni",), "avx2": ("-mno-avx512f",)}
     cpu = cpu_flags()
     if variant == "avx2" and not {"avx2", "fma", "f16c"} <= cpu:
         pytest.skip("the AVX2 kernels need a CPU with AVX2, FMA and F16C")

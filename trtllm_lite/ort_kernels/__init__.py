@@ -88,7 +88,7 @@ def build_library(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()
     """Compile the kernels (or reuse the cached build) and return the library's path.
 
     ``extra_flags`` go after :data:`CXX_FLAGS` (with an explicit ``out_dir``: tests build the
-    AVX2 loops with ``-mno-avx512f`` and the portable ones with ``-mno-avx512f -mno-avx2``).
+    AVX2 loops with ``-mno-avx512f`` and the portable ones with ``-mno-avx512f -mno-avx2 -mno-f16c``).
 
     Raises:
         KernelBuildError: no C++ compiler, or it failed (its output in the message).

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -38,6 +38,8 @@ extern const OrtApi* g_api;
 constexpr ONNXTensorElementDataType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ONNXTensorElementDataType kI64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 constexpr ONNXTensorElementDataType kBool = ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+constexpr ONNXTensorElementDataType kF16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+constexpr ONNXTensorElementDataType kAnyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;   // checked by the kernel
 
 #define RETURN_IF_ERROR(expr)              \
   do {                                     \
@@ -51,6 +53,7 @@ inline OrtStatus* error(OrtErrorCode code, const std::string& message) {
 struct Tensor {
   const OrtValue* value = nullptr;
   std::vector<int64_t> dims;
+  ONNXTensorElementDataType type = kAnyType;
 };
 
 // Input `index`'s value alone (no shape query: that allocates, and constant weights whose
@@ -60,15 +63,16 @@ inline OrtStatus* input_value(OrtKernelContext* ctx, size_t index, const OrtValu
       ctx, index, out);
 }
 
-// Input `index`'s value and shape.
+// Input `index`'s value, shape and element type.
 inline OrtStatus* read_input(OrtKernelContext* ctx, size_t index, Tensor* out) {
   RETURN_IF_ERROR(input_value(ctx, index, &out->value));
   OrtTensorTypeAndShapeInfo* info = nullptr;
   RETURN_IF_ERROR(slot<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(
       g_api, kGetTensorTypeAndShape)(out->value, &info));
   size_t rank = 0;
-  OrtStatus* s = slot<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(
-      g_api, kGetDimensionsCount)(info, &rank);
+  OrtStatus* s = slot<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, ONNXTensorElementDataType*)>(
+      g_api, kGetTensorElementType)(info, &out->type);
+  if (!s) s = slot<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(g_api, kGetDimensionsCount)(info, &rank);
   if (!s) {
     out->dims.resize(rank);
     s = slot<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(g_api, kGetDimensions)(

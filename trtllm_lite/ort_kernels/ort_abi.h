@@ -29,9 +29,11 @@ struct OrtApiBase {
 enum OrtErrorCode { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
 
 enum ONNXTensorElementDataType {
+  ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED = 0,   // as a custom op's input type: any tensor type
   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1,
   ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 = 7,
   ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL = 9,
+  ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 = 10,
 };
 
 enum OrtCustomOpInputOutputCharacteristic { INPUT_OUTPUT_REQUIRED = 0, INPUT_OUTPUT_OPTIONAL = 1 };
@@ -83,6 +85,7 @@ enum Slot : size_t {
   kCustomOpDomainAdd = 27,            // OrtStatus* (OrtCustomOpDomain*, const OrtCustomOp*)
   kAddCustomOpDomain = 28,            // OrtStatus* (OrtSessionOptions*, OrtCustomOpDomain*)
   kGetTensorMutableData = 51,         // OrtStatus* (OrtValue*, void** out)
+  kGetTensorElementType = 60,         // OrtStatus* (const OrtTensorTypeAndShapeInfo*, ONNXTensorElementDataType* out)
   kGetDimensionsCount = 61,           // OrtStatus* (const OrtTensorTypeAndShapeInfo*, size_t* out)
   kGetDimensions = 62,                // OrtStatus* (const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)
   kGetTensorTypeAndShape = 65,        // OrtStatus* (const OrtValue*, OrtTensorTypeAndShapeInfo** out)

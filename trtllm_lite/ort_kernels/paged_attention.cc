@@ -9,8 +9,8 @@
 //   0 query           [T, H, D]        float32
 //   1 key             [T, Hkv, D]      float32   the step's new K (rotary applied)
 //   2 value           [T, Hkv, D]      float32   the step's new V
-//   3 key_cache       [N, B, Hkv, D]   float32   this layer's K pool
-//   4 value_cache     [N, B, Hkv, D]   float32
+//   3 key_cache       [N, B, Hkv, D]   float32 or float16 (the engine's kv_cache_dtype): this layer's K pool
+//   4 value_cache     [N, B, Hkv, D]   the same type as key_cache
 //   5 slot_mapping    [T]              int64     (the runtime stores the new K/V: unused here)
 //   6 block_tables    [S, M]           int64     logical -> physical block
 //   7 context_lens    [S]              int64     tokens cached before this step
@@ -29,6 +29,9 @@
 // Other steps (prompts, prompt chunks, draft verification, mixed with decodes): the decodes
 // as above (run_mixed_decodes), the rest in tiles of a sequence's tokens x one KV head's
 // query heads, keys 64 at a time with an online softmax (attend_tile, below).
+//
+// Pools of float16 (KV, below: uint16_t holding IEEE binary16 bits) are converted to float32
+// as they are loaded (F16C's vcvtph2ps where the CPU has it); all arithmetic is float32.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -42,11 +45,34 @@
 namespace trtllm_lite_kernels {
 namespace {
 
+// A pool element as float: float32 as is, float16 (its bits in a uint16_t) converted.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return half_to_float(h);
+#endif
+}
+
+#ifdef TRTLLM_LITE_AVX2
+inline __m256 load_ps8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_ps8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+#ifdef __AVX512F__
+inline __m512 load_ps16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_ps16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 constexpr int64_t kMinSequencesPerItemSplit = 8;
 constexpr int64_t kMinChunkBlocks = 4;   // context blocks per chunk at least (few sequences)
 
+template <typename KV>   // the pools' element type: float, or uint16_t (float16 bits)
 struct DecodeStep {
-  const float *query, *key, *value, *key_cache, *value_cache;
+  const float *query, *key, *value;
+  const KV *key_cache, *value_cache;
   const int64_t *block_tables, *context_lens;
   float* output;
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
@@ -64,36 +90,38 @@ struct DecodeStep {
 // [begin, end) (begin a multiple of the block size): fn(row pointer, first position, rows) for
 // each block, the next block prefetched.
 // (Step: DecodeStep or PrefillStep, below: their block table and pool sizes.)
-template <typename Step, typename Fn>
-inline void for_each_block(const Step& st, int64_t s, int64_t h, const float* pool, int64_t begin,
+template <typename Step, typename KV, typename Fn>
+inline void for_each_block(const Step& st, int64_t s, int64_t h, const KV* pool, int64_t begin,
                            int64_t end, Fn fn) {
   const int64_t bs = st.block_size, hkv = st.num_kv_heads, d = st.head_dim;
   const int64_t* table = st.block_tables + s * st.max_blocks;
-  const int64_t block_floats = bs * hkv * d;
+  const int64_t block_floats = bs * hkv * d;   // elements (float or float16) a block holds
   for (int64_t start = begin; start < end; start += bs) {
     if (start + bs < end) {   // blocks lie anywhere in the pool: fetch the next one ahead
       const char* next = reinterpret_cast<const char*>(pool + table[start / bs + 1] * block_floats);
-      for (int64_t line = 0; line < block_floats * 4; line += 64) __builtin_prefetch(next + line);
+      for (int64_t line = 0; line < block_floats * static_cast<int64_t>(sizeof(KV)); line += 64)
+        __builtin_prefetch(next + line);
     }
     fn(pool + table[start / bs] * block_floats + h * d, start, std::min(bs, end - start));
   }
 }
 
 // Portable version: any head_dim. scores [G, n] (n = ctx + 1), acc [G, D] scratch.
-void attend_portable(const DecodeStep& st, int64_t s, int64_t h, float* scores, float* acc) {
+template <typename KV>
+void attend_portable(const DecodeStep<KV>& st, int64_t s, int64_t h, float* scores, float* acc) {
   const int64_t hkv = st.num_kv_heads, d = st.head_dim, group = st.num_heads / hkv;
   const int64_t ctx = st.context_lens[s], n = ctx + 1, stride = hkv * d;
   const float* q = st.query + (s * st.num_heads + h * group) * d;   // [G, D]
-  auto score_row = [&](const float* k, int64_t pos) {
+  auto score_row = [&](const auto* k, int64_t pos) {   // k: a pool row (KV) or the new key (float)
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * d;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < d; ++i) dot += qg[i] * k[i];
+      for (int64_t i = 0; i < d; ++i) dot += qg[i] * to_float(k[i]);
       scores[g * n + pos] = dot * st.scale;
     }
   };
-  for_each_block(st, s, h, st.key_cache, 0, ctx, [&](const float* k, int64_t first, int64_t rows) {
+  for_each_block(st, s, h, st.key_cache, 0, ctx, [&](const KV* k, int64_t first, int64_t rows) {
     for (int64_t j = 0; j < rows; ++j) score_row(k + j * stride, first + j);
   });
   score_row(st.key + (s * hkv + h) * d, ctx);
@@ -112,15 +140,15 @@ void attend_portable(const DecodeStep& st, int64_t s, int64_t h, float* scores, 
     for (int64_t i = 0; i < n; ++i) row[i] *= inv;
   }
   std::fill(acc, acc + group * d, 0.0f);
-  auto add_row = [&](const float* v, int64_t pos) {
+  auto add_row = [&](const auto* v, int64_t pos) {
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * n + pos];
       float* a = acc + g * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) a[i] += p * v[i];
+      for (int64_t i = 0; i < d; ++i) a[i] += p * to_float(v[i]);
     }
   };
-  for_each_block(st, s, h, st.value_cache, 0, ctx, [&](const float* v, int64_t first, int64_t rows) {
+  for_each_block(st, s, h, st.value_cache, 0, ctx, [&](const KV* v, int64_t first, int64_t rows) {
     for (int64_t j = 0; j < rows; ++j) add_row(v + j * stride, first + j);
   });
   add_row(st.value + (s * hkv + h) * d, ctx);
@@ -170,8 +198,8 @@ inline __m512 sum16(const __m512 v[16]) {
 // registers).
 // Cached positions [begin, end), plus the new token when with_new (the last chunk). partial:
 // null to write the normalized output, else [rows, D + 2] for merge_chunks (all KV heads).
-template <int NC>
-void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_t begin, int64_t end,
+template <int NC, typename KV>
+void attend_avx512(const DecodeStep<KV>& st, int64_t s, int64_t h0, int64_t nh, int64_t begin, int64_t end,
                    bool with_new, float* scores, float* acc, float* partial) {
   constexpr int64_t d = 16 * NC;
   const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, rows = nh * group;
@@ -184,12 +212,12 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int6
 
   // scores of up to 16 positions at a time: 16 dot-product vectors, then one transpose-add
   // (sum16) into a vector of 16 scores, instead of a horizontal sum per position
-  auto score_rows = [&](const float* k, int64_t first, int64_t len) {   // k: head h0's row at first
+  auto score_rows = [&](const auto* k, int64_t first, int64_t len) {   // k: head h0's row at first
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
       const int64_t tile = std::min<int64_t>(16, len - j0);
       const __mmask16 mask = static_cast<__mmask16>((1u << tile) - 1);
       for (int64_t hh = 0; hh < nh; ++hh) {
-        const float* kh = k + j0 * stride + hh * d;
+        const auto* kh = k + j0 * stride + hh * d;
         for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
           __m512 qv[NC], dots[16];
           for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q_scaled + g * d + 16 * c);
@@ -198,9 +226,9 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int6
               dots[j] = _mm512_setzero_ps();
               continue;
             }
-            const float* kr = kh + j * stride;
-            __m512 dot = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-            for (int c = 1; c < NC; ++c) dot = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), dot);
+            const auto* kr = kh + j * stride;
+            __m512 dot = _mm512_mul_ps(qv[0], load_ps16(kr));
+            for (int c = 1; c < NC; ++c) dot = _mm512_fmadd_ps(qv[c], load_ps16(kr + 16 * c), dot);
             dots[j] = dot;
           }
           _mm512_mask_storeu_ps(scores + g * n + first + j0 - begin, mask, sum16(dots));
@@ -242,9 +270,9 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int6
   // per query head, a block's rows into accumulators held in registers (two sets, even and
   // odd positions, so the multiply-adds do not wait on each other); the rows come from L1
   // after the group's first head
-  auto add_rows = [&](const float* v, int64_t first, int64_t len) {
+  auto add_rows = [&](const auto* v, int64_t first, int64_t len) {
     for (int64_t hh = 0; hh < nh; ++hh) {
-      const float* vh = v + hh * d;
+      const auto* vh = v + hh * d;
       for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
         const float* p = scores + g * n + first - begin;
         float* a = acc + g * d;
@@ -256,15 +284,15 @@ void attend_avx512(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int6
         int64_t j = 0;
         for (; j + 2 <= len; j += 2) {
           const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
-          const float *v0 = vh + j * stride, *v1 = v0 + stride;
+          const auto *v0 = vh + j * stride, *v1 = v0 + stride;
           for (int c = 0; c < NC; ++c) {
-            even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
-            odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+            even[c] = _mm512_fmadd_ps(p0, load_ps16(v0 + 16 * c), even[c]);
+            odd[c] = _mm512_fmadd_ps(p1, load_ps16(v1 + 16 * c), odd[c]);
           }
         }
         if (j < len) {
           const __m512 p0 = _mm512_set1_ps(p[j]);
-          for (int c = 0; c < NC; ++c) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vh + j * stride + 16 * c), even[c]);
+          for (int c = 0; c < NC; ++c) even[c] = _mm512_fmadd_ps(p0, load_ps16(vh + j * stride + 16 * c), even[c]);
         }
         for (int c = 0; c < NC; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_add_ps(even[c], odd[c]));
       }
@@ -297,8 +325,8 @@ inline __m256 sum8(const __m256 v[8]) {
 // AVX2 version of attend_avx512 (same work items, chunks and partial results), head_dim =
 // 8 * NC, 8 positions' scores at a time; one accumulator set for the values where NC >= 4
 // (NC chains already; two sets would not fit the 16 registers).
-template <int NC>
-void attend_avx2(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_t begin, int64_t end,
+template <int NC, typename KV>
+void attend_avx2(const DecodeStep<KV>& st, int64_t s, int64_t h0, int64_t nh, int64_t begin, int64_t end,
                  bool with_new, float* scores, float* acc, float* partial) {
   constexpr int64_t d = 8 * NC;
   const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, rows = nh * group;
@@ -309,11 +337,11 @@ void attend_avx2(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_
   float* q_scaled = acc;                        // [rows, D] scratch, reused for the sums below
   for (int64_t i = 0; i < rows * d; ++i) q_scaled[i] = q[i] * st.scale;
 
-  auto score_rows = [&](const float* k, int64_t first, int64_t len) {   // k: head h0's row at first
+  auto score_rows = [&](const auto* k, int64_t first, int64_t len) {   // k: head h0's row at first
     for (int64_t j0 = 0; j0 < len; j0 += 8) {
       const int64_t tile = std::min<int64_t>(8, len - j0);
       for (int64_t hh = 0; hh < nh; ++hh) {
-        const float* kh = k + j0 * stride + hh * d;
+        const auto* kh = k + j0 * stride + hh * d;
         for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
           const float* qg = q_scaled + g * d;
           __m256 dots[8];
@@ -322,9 +350,9 @@ void attend_avx2(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_
               dots[j] = _mm256_setzero_ps();
               continue;
             }
-            const float* kr = kh + j * stride;
-            __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kr));
-            for (int c = 1; c < NC; ++c) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kr + 8 * c), dot);
+            const auto* kr = kh + j * stride;
+            __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(qg), load_ps8(kr));
+            for (int c = 1; c < NC; ++c) dot = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), load_ps8(kr + 8 * c), dot);
             dots[j] = dot;
           }
           float* out_scores = scores + g * n + first + j0 - begin;
@@ -376,9 +404,9 @@ void attend_avx2(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_
 
   std::fill(acc, acc + rows * d, 0.0f);
   constexpr int kSets = NC >= 4 ? 1 : 2;   // accumulator sets (positions j % kSets)
-  auto add_rows = [&](const float* v, int64_t first, int64_t len) {
+  auto add_rows = [&](const auto* v, int64_t first, int64_t len) {
     for (int64_t hh = 0; hh < nh; ++hh) {
-      const float* vh = v + hh * d;
+      const auto* vh = v + hh * d;
       for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
         const float* p = scores + g * n + first - begin;
         float* a = acc + g * d;
@@ -391,12 +419,12 @@ void attend_avx2(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_
         for (; j + kSets <= len; j += kSets)
           for (int e = 0; e < kSets; ++e) {
             const __m256 pj = _mm256_set1_ps(p[j + e]);
-            const float* vj = vh + (j + e) * stride;
-            for (int c = 0; c < NC; ++c) sums[e][c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), sums[e][c]);
+            const auto* vj = vh + (j + e) * stride;
+            for (int c = 0; c < NC; ++c) sums[e][c] = _mm256_fmadd_ps(pj, load_ps8(vj + 8 * c), sums[e][c]);
           }
         for (; j < len; ++j) {
           const __m256 pj = _mm256_set1_ps(p[j]);
-          for (int c = 0; c < NC; ++c) sums[0][c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vh + j * stride + 8 * c), sums[0][c]);
+          for (int c = 0; c < NC; ++c) sums[0][c] = _mm256_fmadd_ps(pj, load_ps8(vh + j * stride + 8 * c), sums[0][c]);
         }
         for (int c = 0; c < NC; ++c)
           _mm256_storeu_ps(a + 8 * c, kSets == 2 ? _mm256_add_ps(sums[0][c], sums[kSets - 1][c]) : sums[0][c]);
@@ -417,8 +445,9 @@ void attend_avx2(const DecodeStep& st, int64_t s, int64_t h0, int64_t nh, int64_
 
 // One work item: KV heads [h0, h0 + heads_per_item) of one sequence (all their query heads);
 // with chunks, one chunk of one sequence's context, all KV heads.
+template <typename KV>
 void attend(void* user, size_t item) {
-  const DecodeStep& st = *static_cast<const DecodeStep*>(user);
+  const DecodeStep<KV>& st = *static_cast<const DecodeStep<KV>*>(user);
   const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, nh = st.heads_per_item;
   thread_local std::vector<float> buffer;
 #if defined(__AVX512F__) || defined(TRTLLM_LITE_AVX2)
@@ -434,15 +463,15 @@ void attend(void* user, size_t item) {
     float* partial = st.partial + static_cast<int64_t>(item) * st.num_heads * (st.head_dim + 2);
     switch (st.head_dim) {
 #ifdef __AVX512F__
-      case 16: return attend_avx512<1>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
-      case 32: return attend_avx512<2>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
-      case 64: return attend_avx512<4>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
-      case 128: return attend_avx512<8>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 16: return attend_avx512<1, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 32: return attend_avx512<2, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 64: return attend_avx512<4, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 128: return attend_avx512<8, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
 #else
-      case 16: return attend_avx2<2>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
-      case 32: return attend_avx2<4>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
-      case 64: return attend_avx2<8>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
-      case 128: return attend_avx2<16>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 16: return attend_avx2<2, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 32: return attend_avx2<4, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 64: return attend_avx2<8, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 128: return attend_avx2<16, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
 #endif
       default: return;   // chunks are only planned for these head sizes
     }
@@ -456,18 +485,18 @@ void attend(void* user, size_t item) {
   float* acc = scores + nh * group * n;       // [nh * G, D]
 #ifdef __AVX512F__
   switch (st.head_dim) {
-    case 16: return attend_avx512<1>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
-    case 32: return attend_avx512<2>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
-    case 64: return attend_avx512<4>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
-    case 128: return attend_avx512<8>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 16: return attend_avx512<1, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 32: return attend_avx512<2, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 64: return attend_avx512<4, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 128: return attend_avx512<8, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
     default: break;
   }
 #elif defined(TRTLLM_LITE_AVX2)
   switch (st.head_dim) {
-    case 16: return attend_avx2<2>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
-    case 32: return attend_avx2<4>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
-    case 64: return attend_avx2<8>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
-    case 128: return attend_avx2<16>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 16: return attend_avx2<2, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 32: return attend_avx2<4, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 64: return attend_avx2<8, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 128: return attend_avx2<16, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
     default: break;
   }
 #endif
@@ -476,7 +505,8 @@ void attend(void* user, size_t item) {
 
 // The chunks' partial results -> the output: per query head, the maxima's max M, then
 // sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c.
-[[maybe_unused]] void merge_chunks(const DecodeStep& st, int64_t num_seqs) {
+template <typename KV>
+[[maybe_unused]] void merge_chunks(const DecodeStep<KV>& st, int64_t num_seqs) {
   const int64_t d = st.head_dim, h_total = st.num_heads, c_total = st.chunks_per_seq;
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t g = 0; g < h_total; ++g) {
@@ -507,8 +537,10 @@ void attend(void* user, size_t item) {
 // with an online softmax (running max and sum, the output rescaled when the max grows: Milakov
 // & Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al. 2022,
 // FlashAttention), so no score row as long as the context is ever stored.
+template <typename KV>
 struct PrefillStep {
-  const float *query, *key, *value, *key_cache, *value_cache;
+  const float *query, *key, *value;
+  const KV *key_cache, *value_cache;
   const int64_t *block_tables, *context_lens, *query_start_loc;
   float* output;
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks, tile;
@@ -520,14 +552,15 @@ struct PrefillStep {
 // whose rows are `stride` floats apart (a cached block's rows, or the step's own tokens).
 constexpr int64_t kSegmentKeys = 16, kSegments = 4, kChunkKeys = kSegmentKeys * kSegments;
 
+template <typename T>   // a chunk of pool rows (T: the pools' KV type) or of the step's own tokens (float)
 struct KeyChunk {
-  const float* keys[kSegments];
-  const float* values[kSegments];
+  const T* keys[kSegments];
+  const T* values[kSegments];
   int64_t count = 0;          // keys in the chunk: segments before the last are full
   int64_t causal_first = -1;  // the step-token index of the first key (a row of token j takes keys
                               // up to j), or -1 for cached positions (every row takes them all)
-  const float* key(int64_t i, int64_t stride) const { return keys[i / kSegmentKeys] + i % kSegmentKeys * stride; }
-  const float* value(int64_t i, int64_t stride) const {
+  const T* key(int64_t i, int64_t stride) const { return keys[i / kSegmentKeys] + i % kSegmentKeys * stride; }
+  const T* value(int64_t i, int64_t stride) const {
     return values[i / kSegmentKeys] + i % kSegmentKeys * stride;
   }
 };
@@ -541,7 +574,8 @@ struct TileState {
   float* scores;    // [rows, kChunkKeys]
   float* kt;        // [D, kChunkKeys]: the chunk's keys transposed (vector path)
   int64_t rows, group, j0, d, stride;
-  int64_t limit(const KeyChunk& c, int64_t r) const {   // keys row r takes from chunk c
+  template <typename T>
+  int64_t limit(const KeyChunk<T>& c, int64_t r) const {   // keys row r takes from chunk c
     return c.causal_first < 0 ? c.count : std::min(c.count, j0 + r / group - c.causal_first + 1);
   }
 };
@@ -565,7 +599,8 @@ inline float softmax_update(const TileState& t, int64_t r, float* row, int64_t l
 }
 
 // Any head_dim: per row, dot products, then the values.
-inline void attend_chunk(const TileState& t, const KeyChunk& c) {
+template <typename T>
+inline void attend_chunk(const TileState& t, const KeyChunk<T>& c) {
   const int64_t d = t.d;
   for (int64_t r = 0; r < t.rows; ++r) {
     const int64_t limit = t.limit(c, r);
@@ -573,10 +608,10 @@ inline void attend_chunk(const TileState& t, const KeyChunk& c) {
     const float* qr = t.q + r * d;
     float* row = t.scores + r * kChunkKeys;
     for (int64_t i = 0; i < limit; ++i) {
-      const float* ki = c.key(i, t.stride);
+      const T* ki = c.key(i, t.stride);
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t x = 0; x < d; ++x) dot += qr[x] * ki[x];
+      for (int64_t x = 0; x < d; ++x) dot += qr[x] * to_float(ki[x]);
       row[i] = dot;
     }
     const float alpha = softmax_update(t, r, row, limit);
@@ -585,9 +620,9 @@ inline void attend_chunk(const TileState& t, const KeyChunk& c) {
     for (int64_t x = 0; x < d; ++x) a[x] *= alpha;
     for (int64_t i = 0; i < limit; ++i) {
       const float p = row[i];
-      const float* vi = c.value(i, t.stride);
+      const T* vi = c.value(i, t.stride);
 #pragma omp simd
-      for (int64_t x = 0; x < d; ++x) a[x] += p * vi[x];
+      for (int64_t x = 0; x < d; ++x) a[x] += p * to_float(vi[x]);
     }
   }
 }
@@ -604,6 +639,15 @@ inline v8f load8(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+// 8 float16 values (bits) as floats
+inline v8f load8(const uint16_t* p) {
+#ifdef __F16C__
+  return (v8f)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return v8f{half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]), half_to_float(p[3]),
+             half_to_float(p[4]), half_to_float(p[5]), half_to_float(p[6]), half_to_float(p[7])};
+#endif
 }
 inline void store8(float* p, const v8f& v) { std::memcpy(p, &v, sizeof v); }
 inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
@@ -645,14 +689,14 @@ inline float softmax_update_v8(const TileState& t, int64_t r, float* row, int64_
   return alpha;
 }
 
-template <int NC>
-void attend_chunk_v8(const TileState& t, const KeyChunk& c) {
+template <int NC, typename T>
+void attend_chunk_v8(const TileState& t, const KeyChunk<T>& c) {
   constexpr int64_t d = 8 * NC, kRows = 6;
   const int64_t segments = (c.count + kSegmentKeys - 1) / kSegmentKeys;
   for (int64_t i = 0; i < segments * kSegmentKeys; ++i) {   // kt[x * 64 + i]: key i's element x
     if (i < c.count) {
-      const float* ki = c.key(i, t.stride);
-      for (int64_t x = 0; x < d; ++x) t.kt[x * kChunkKeys + i] = ki[x];
+      const T* ki = c.key(i, t.stride);
+      for (int64_t x = 0; x < d; ++x) t.kt[x * kChunkKeys + i] = to_float(ki[x]);
     } else {
       for (int64_t x = 0; x < d; ++x) t.kt[x * kChunkKeys + i] = 0.0f;
     }
@@ -688,7 +732,7 @@ void attend_chunk_v8(const TileState& t, const KeyChunk& c) {
     for (int c8 = 0; c8 < NC; ++c8) out[c8] = load8(a + 8 * c8) * alpha;
     for (int64_t i = 0; i < limit; ++i) {
       const v8f p = splat8(row[i]);
-      const float* vi = c.value(i, t.stride);
+      const T* vi = c.value(i, t.stride);
       for (int c8 = 0; c8 < NC; ++c8) out[c8] += p * load8(vi + 8 * c8);
     }
     for (int c8 = 0; c8 < NC; ++c8) store8(a + 8 * c8, out[c8]);
@@ -696,8 +740,8 @@ void attend_chunk_v8(const TileState& t, const KeyChunk& c) {
 }
 
 // DT: head_dim when known at compile time (a multiple of 8 takes attend_chunk_v8).
-template <int DT>
-void attend_tile(const PrefillStep& st, int64_t s, int64_t h, int64_t j0) {
+template <int DT, typename KV>
+void attend_tile(const PrefillStep<KV>& st, int64_t s, int64_t h, int64_t j0) {
   const int64_t d = DT ? DT : st.head_dim;
   const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, stride = hkv * d;
   const int64_t q0 = st.query_start_loc[s], q_len = st.query_start_loc[s + 1] - q0, ctx = st.context_lens[s];
@@ -714,8 +758,9 @@ void attend_tile(const PrefillStep& st, int64_t s, int64_t h, int64_t j0) {
   std::fill(t.acc, t.acc + rows * d, 0.0f);
   std::fill(t.maxes, t.maxes + rows, -3.0e38f);
   std::fill(t.sums, t.sums + rows, 0.0f);
-  KeyChunk chunk;
-  auto flush = [&] {
+  KeyChunk<KV> cached;   // pool rows
+  KeyChunk<float> own;   // the step's tokens
+  auto flush = [&](auto& chunk) {
     if (chunk.count == 0) return;
     if constexpr (DT != 0 && DT % 8 == 0)
       attend_chunk_v8<DT / 8>(t, chunk);
@@ -724,25 +769,25 @@ void attend_tile(const PrefillStep& st, int64_t s, int64_t h, int64_t j0) {
     chunk.count = 0;
   };
   // keys and values [first, first + n) of a stretch whose rows are `stride` apart, in segments
-  auto add = [&](const float* k, const float* v, int64_t n) {
+  auto add = [&](auto& chunk, const auto* k, const auto* v, int64_t n) {
     for (int64_t i = 0; i < n; i += kSegmentKeys) {
       const int64_t g = chunk.count / kSegmentKeys;
       chunk.keys[g] = k + i * stride;
       chunk.values[g] = v + i * stride;
       chunk.count += std::min(kSegmentKeys, n - i);
-      if (chunk.count % kSegmentKeys != 0 || chunk.count == kChunkKeys) flush();   // a short segment ends a chunk
+      if (chunk.count % kSegmentKeys != 0 || chunk.count == kChunkKeys) flush(chunk);   // a short segment ends a chunk
     }
   };
   // cached positions, block by block (the values' rows lie where the keys' do in their pool)
-  for_each_block(st, s, h, st.key_cache, 0, ctx, [&](const float* k, int64_t, int64_t rows) {
-    add(k, st.value_cache + (k - st.key_cache), rows);
+  for_each_block(st, s, h, st.key_cache, 0, ctx, [&](const KV* k, int64_t, int64_t rows) {
+    add(cached, k, st.value_cache + (k - st.key_cache), rows);
   });
-  flush();
+  flush(cached);
   const int64_t base = (q0 * hkv + h) * d;   // the step's tokens up to the tile's last, causal
   for (int64_t i0 = 0; i0 < j1; i0 += kChunkKeys) {
-    chunk.causal_first = i0;
-    add(st.key + base + i0 * stride, st.value + base + i0 * stride, std::min(kChunkKeys, j1 - i0));
-    flush();
+    own.causal_first = i0;
+    add(own, st.key + base + i0 * stride, st.value + base + i0 * stride, std::min(kChunkKeys, j1 - i0));
+    flush(own);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* out = st.output + ((q0 + j0 + r / group) * st.num_heads + h * group + r % group) * d;
@@ -751,27 +796,28 @@ void attend_tile(const PrefillStep& st, int64_t s, int64_t h, int64_t j0) {
   }
 }
 
+template <typename KV>
 void attend_prefill_item(void* user, size_t item) {
-  const PrefillStep& st = *static_cast<const PrefillStep*>(user);
+  const PrefillStep<KV>& st = *static_cast<const PrefillStep<KV>*>(user);
   const int64_t* it = st.items + 3 * static_cast<int64_t>(item);
   switch (st.head_dim) {
-    case 16: return attend_tile<16>(st, it[0], it[1], it[2]);
-    case 32: return attend_tile<32>(st, it[0], it[1], it[2]);
-    case 64: return attend_tile<64>(st, it[0], it[1], it[2]);
-    case 128: return attend_tile<128>(st, it[0], it[1], it[2]);
-    default: return attend_tile<0>(st, it[0], it[1], it[2]);
+    case 16: return attend_tile<16, KV>(st, it[0], it[1], it[2]);
+    case 32: return attend_tile<32, KV>(st, it[0], it[1], it[2]);
+    case 64: return attend_tile<64, KV>(st, it[0], it[1], it[2]);
+    case 128: return attend_tile<128, KV>(st, it[0], it[1], it[2]);
+    default: return attend_tile<0, KV>(st, it[0], it[1], it[2]);
   }
 }
 
 // -- the op ------------------------------------------------------------------------------
 
 // Inputs (builder/paged_attention.py, INPUT_NAMES): 0-4 query [T, H, D], key / value [T, Hkv, D],
-// key_cache / value_cache [N, B, Hkv, D] float32; 5 slot_mapping [T] (the runtime writes the
+// key_cache / value_cache [N, B, Hkv, D] float32 or float16 (both alike); 5 slot_mapping [T] (the runtime writes the
 // new K/V: unused here), 6 block_tables [S, M], 7 context_lens [S], 8 query_start_loc [S + 1]
 // int64; 9-22 the ONNX function body's metadata (METADATA_NAMES: optional, unused here).
 constexpr size_t kNumInputs = 23, kNumRequired = 9;
 constexpr ONNXTensorElementDataType kInputTypes[kNumInputs] = {
-    kF32, kF32, kF32, kF32, kF32, kI64, kI64, kI64, kI64,            // the op's own inputs
+    kF32, kF32, kF32, kAnyType, kAnyType, kI64, kI64, kI64, kI64,    // the op's own inputs (pools: float32 or float16)
     kI64, kI64, kI64, kF32, kF32, kI64, kI64, kI64, kI64, kF32, kF32,  // the function body's metadata
     kBool, kBool, kBool};
 
@@ -780,10 +826,24 @@ struct Kernel : KernelBase {
   OrtStatus* compute(OrtKernelContext* context) override;
 };
 
+// A checked step's inputs other than the pools (shapes: the op's inputs).
+struct StepArgs {
+  const float *query, *key, *value;
+  const int64_t *block_tables, *context_lens, *query_start_loc;
+  float* output;
+  int64_t T, S, H, Hkv, D, B, M;
+  bool all_decode;
+  float scale;
+};
+
+template <typename KV>
+OrtStatus* run_step(OrtKernelContext* context, const StepArgs& args, const KV* key_cache, const KV* value_cache);
+
 OrtStatus* invalid(const std::string& message) { return error(ORT_INVALID_ARGUMENT, "PagedAttention: " + message); }
 
 // Every sequence computing one token: the decode kernels above.
-OrtStatus* run_decode(OrtKernelContext* context, DecodeStep& step, int64_t S) {
+template <typename KV>
+OrtStatus* run_decode(OrtKernelContext* context, DecodeStep<KV>& step, int64_t S) {
   [[maybe_unused]] const int64_t B = step.block_size, H = step.num_heads;
   const int64_t D = step.head_dim, Hkv = step.num_kv_heads;
   // a work item per sequence reads its pool rows contiguously (all KV heads: measured ~25%
@@ -805,7 +865,7 @@ OrtStatus* run_decode(OrtKernelContext* context, DecodeStep& step, int64_t S) {
     partial.resize(static_cast<size_t>(S * step.chunks_per_seq * H * (D + 2)));
     step.partial = partial.data();
     step.heads_per_item = Hkv;
-    RETURN_IF_ERROR(parallel_for(context, attend, static_cast<size_t>(S * step.chunks_per_seq), &step, false,
+    RETURN_IF_ERROR(parallel_for(context, attend<KV>, static_cast<size_t>(S * step.chunks_per_seq), &step, false,
                                  std::min(static_cast<size_t>(S * step.chunks_per_seq), available_cores())));
     merge_chunks(step, S);
     return nullptr;
@@ -814,16 +874,17 @@ OrtStatus* run_decode(OrtKernelContext* context, DecodeStep& step, int64_t S) {
   // one thread below ~64 KiB of keys and values (waking the pool costs more than it saves: the
   // rule of QuantizedLinear's batch 1)
   int64_t kv_bytes = 0;
-  for (int64_t s = 0; s < S; ++s) kv_bytes += step.context_lens[s] * Hkv * D * 2 * static_cast<int64_t>(sizeof(float));
-  return parallel_for(context, attend, static_cast<size_t>(S * Hkv / step.heads_per_item), &step,
+  for (int64_t s = 0; s < S; ++s) kv_bytes += step.context_lens[s] * Hkv * D * 2 * static_cast<int64_t>(sizeof(KV));
+  return parallel_for(context, attend<KV>, static_cast<size_t>(S * Hkv / step.heads_per_item), &step,
                       kv_bytes < (64 << 10));
 }
 
 // A decode step (token s is sequence s's) over these tensors (shapes: the op's inputs).
-DecodeStep decode_step(const float* query, const float* key, const float* value, const float* key_cache,
-                       const float* value_cache, const int64_t* block_tables, const int64_t* context_lens,
-                       float* output, int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t M, float scale) {
-  DecodeStep step{};
+template <typename KV>
+DecodeStep<KV> decode_step(const float* query, const float* key, const float* value, const KV* key_cache,
+                           const KV* value_cache, const int64_t* block_tables, const int64_t* context_lens,
+                           float* output, int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t M, float scale) {
+  DecodeStep<KV> step{};
   step.query = query;
   step.key = key;
   step.value = value;
@@ -843,8 +904,9 @@ DecodeStep decode_step(const float* query, const float* key, const float* value,
 
 // The one-token sequences of a mixed step through run_decode: their query, new K/V, block
 // table rows and context lengths copied into a decode step's layout, the outputs copied back.
+template <typename KV>
 OrtStatus* run_mixed_decodes(OrtKernelContext* context, const float* query, const float* key, const float* value,
-                             const float* key_cache, const float* value_cache, const int64_t* block_tables,
+                             const KV* key_cache, const KV* value_cache, const int64_t* block_tables,
                              const int64_t* context_lens, const int64_t* query_start_loc, float* output, int64_t S,
                              int64_t H, int64_t Hkv, int64_t D, int64_t B, int64_t M, float scale) {
   thread_local std::vector<int64_t> seqs, tables, lens;
@@ -869,8 +931,8 @@ OrtStatus* run_mixed_decodes(OrtKernelContext* context, const float* query, cons
     std::memcpy(tables.data() + i * M, block_tables + s * M, sizeof(int64_t) * size(M));
     lens[size(i)] = context_lens[s];
   }
-  DecodeStep step = decode_step(q.data(), k.data(), v.data(), key_cache, value_cache, tables.data(), lens.data(),
-                                out.data(), H, Hkv, D, B, M, scale);
+  DecodeStep<KV> step = decode_step(q.data(), k.data(), v.data(), key_cache, value_cache, tables.data(),
+                                    lens.data(), out.data(), H, Hkv, D, B, M, scale);
   RETURN_IF_ERROR(run_decode(context, step, n));
   for (int64_t i = 0; i < n; ++i)
     std::memcpy(output + query_start_loc[seqs[size(i)]] * H * D, out.data() + i * H * D, sizeof(float) * size(H * D));
@@ -898,6 +960,9 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   if (t[3].dims != pool_dims || t[4].dims != pool_dims)
     return invalid("key_cache / value_cache shapes " + dims_string(t[3].dims) + " / " + dims_string(t[4].dims) +
                    ", expected [num_blocks, block_size, " + std::to_string(Hkv) + ", " + std::to_string(D) + "]");
+  if ((t[3].type != kF32 && t[3].type != kF16) || t[4].type != t[3].type)
+    return invalid("key_cache / value_cache must both be float32 or both float16 (element types " +
+                   std::to_string(t[3].type) + " / " + std::to_string(t[4].type) + ")");
   if (t[7].dims[0] != S || t[8].dims[0] != S + 1)
     return invalid("context_lens " + dims_string(t[7].dims) + " / query_start_loc " + dims_string(t[8].dims) +
                    " do not match block_tables' " + std::to_string(S) + " sequences");
@@ -929,15 +994,34 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   float* output;
   RETURN_IF_ERROR(new_output(context, 0, {T, H, D}, &output));
   if (T == 0) return nullptr;
-  const float *query, *key, *value, *key_cache, *value_cache;
+  const float *query, *key, *value;
   RETURN_IF_ERROR(data_of(t[0].value, &query));
   RETURN_IF_ERROR(data_of(t[1].value, &key));
   RETURN_IF_ERROR(data_of(t[2].value, &value));
+  const StepArgs args{query, key, value, block_tables, context_lens, query_start_loc, output, T, S, H, Hkv, D, B, M,
+                      all_decode, scale};
+  if (t[3].type == kF16) {
+    const uint16_t *key_cache, *value_cache;
+    RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
+    RETURN_IF_ERROR(data_of(t[4].value, &value_cache));
+    return run_step(context, args, key_cache, value_cache);
+  }
+  const float *key_cache, *value_cache;
   RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
   RETURN_IF_ERROR(data_of(t[4].value, &value_cache));
-  if (all_decode) {   // token s is sequence s's
-    DecodeStep step = decode_step(query, key, value, key_cache, value_cache, block_tables, context_lens, output, H,
-                                  Hkv, D, B, M, scale);
+  return run_step(context, args, key_cache, value_cache);
+}
+
+template <typename KV>
+OrtStatus* run_step(OrtKernelContext* context, const StepArgs& a, const KV* key_cache, const KV* value_cache) {
+  const float *query = a.query, *key = a.key, *value = a.value;
+  const float scale = a.scale;
+  const int64_t *block_tables = a.block_tables, *context_lens = a.context_lens, *query_start_loc = a.query_start_loc;
+  float* output = a.output;
+  const int64_t S = a.S, H = a.H, Hkv = a.Hkv, D = a.D, B = a.B, M = a.M;
+  if (a.all_decode) {   // token s is sequence s's
+    DecodeStep<KV> step = decode_step(query, key, value, key_cache, value_cache, block_tables, context_lens, output,
+                                      H, Hkv, D, B, M, scale);
     return run_decode(context, step, S);
   }
   // A step that mixes decodes with prompt chunks or draft verifications: the decodes run the
@@ -948,8 +1032,8 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(run_mixed_decodes(context, query, key, value, key_cache, value_cache, block_tables, context_lens,
                                     query_start_loc, output, S, H, Hkv, D, B, M, scale));
   const int64_t group = H / Hkv;
-  PrefillStep step{query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc, output,
-                   H, Hkv, D, B, M, std::max<int64_t>(1, 128 / group), nullptr, scale};
+  PrefillStep<KV> step{query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc, output,
+                       H, Hkv, D, B, M, std::max<int64_t>(1, 128 / group), nullptr, scale};
   // work items (sequence, KV head, tile), the longest (latest tiles: the most keys) first
   thread_local std::vector<std::array<int64_t, 3>> items;
   items.clear();
@@ -968,7 +1052,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   step.items = items.front().data();
   const int64_t num_items = static_cast<int64_t>(items.size());
   // one thread below kSerialWork multiply-adds (query-key pairs x heads x D x 2)
-  return parallel_for(context, attend_prefill_item, static_cast<size_t>(num_items), &step,
+  return parallel_for(context, attend_prefill_item<KV>, static_cast<size_t>(num_items), &step,
                       work * H * D * 2 < kSerialWork);
 }
 
