@@ -10,10 +10,12 @@ and share one external weights file. Graph I/O (``T`` tokens, ``S`` sequences)::
              context_lens     [S]                int64   tokens already cached before the step
              query_start_loc  [S + 1]            int64
              logits_indices   [N]                int64   (prefill only) tokens whose logits to return
-             key_cache.{i}, value_cache.{i}  [num_blocks, block_size, num_kv_heads, head_dim]  float32
+             key_cache.{i}, value_cache.{i}  [num_blocks, block_size, num_kv_heads, head_dim]
+                              float32 or float16 (build's kv_cache_dtype)
     outputs  logits           [N, vocab] (prefill) / [S, vocab] (decode)  float32
              new_keys, new_values  [num_layers, T, num_kv_heads, head_dim]  float32
                               the step's K/V, which the runtime stores at slot_mapping
+                              (rounding them to float16 for float16 pools)
 
 In decode, ``T == S`` and ``query_start_loc == arange(S + 1)``.
 
@@ -34,7 +36,8 @@ from .fused_ops import (OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANT
                         QUANTIZED_LINEAR_SPLIT8_OP_TYPE, ROTARY_OP_TYPE,
                         SILU_OP_TYPE, make_offsets_function, make_quantized_linear_functions, make_rotary_function,
                         make_silu_function)
-from .paged_attention import DOMAIN, OP_TYPE, make_onnx_function, make_onnx_functions, write_attention_metadata
+from .paged_attention import (DOMAIN, KV_CACHE_DTYPES, OP_TYPE, make_onnx_function, make_onnx_functions,
+                              write_attention_metadata)
 from .quantize import QuantizedLinear, pack_codes
 
 
@@ -92,10 +95,16 @@ class DecoderGraphWriter:
 
     def __init__(self, config: ModelConfig, weights: WeightStore, max_seq_len: int, kind: str,
                  quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0,
-                 kv_write: str = "runtime", ort_ops: bool = False):
+                 kv_write: str = "runtime", ort_ops: bool = False, kv_cache_dtype: str = "float32"):
         if kv_write not in KV_WRITES:
             raise ValueError(f"kv_write must be one of {KV_WRITES}, got {kv_write!r}")
-        self.kv_write = kv_write
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if kv_cache_dtype != "float32" and kv_write == "in_op":
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the in-op KV write graph (TensorRT) is "
+                             "exported with float32 pools; a TensorRT engine's pools take its --dtype "
+                             "(compile_tensorrt.mixed_precision)")
+        self.kv_write, self.kv_cache_dtype = kv_write, kv_cache_dtype
         self.ort_ops = ort_ops and kv_write == "runtime"
         # the Llama family's ONNX Runtime graphs: RotarySplitQKV and SiluAndMul (fused_ops.py)
         self.fused_ops = self.ort_ops and config.family != "gpt2"
@@ -318,6 +327,7 @@ class DecoderGraphWriter:
         c = self.c
         f32, i64 = TensorProto.FLOAT, TensorProto.INT64
         kv = [c.num_kv_heads, c.head_dim]
+        pool_type = TensorProto.FLOAT16 if self.kv_cache_dtype == "float16" else f32
         inputs = [helper.make_tensor_value_info("input_ids", i64, ["num_tokens"]),
                   helper.make_tensor_value_info("positions", i64, ["num_tokens"]),
                   helper.make_tensor_value_info("slot_mapping", i64, ["num_tokens"]),
@@ -328,7 +338,7 @@ class DecoderGraphWriter:
             inputs.append(helper.make_tensor_value_info("logits_indices", i64, ["num_logits"]))
         for i in range(c.num_layers):
             for name in (f"key_cache.{i}", f"value_cache.{i}"):
-                inputs.append(helper.make_tensor_value_info(name, f32, ["num_blocks", "block_size", *kv]))
+                inputs.append(helper.make_tensor_value_info(name, pool_type, ["num_blocks", "block_size", *kv]))
         rows = "num_logits" if self.kind == "prefill" else "num_seqs"
         outputs = [helper.make_tensor_value_info("logits", f32, [rows, c.vocab_size]),
                    helper.make_tensor_value_info("new_keys", f32, [c.num_layers, "num_tokens", *kv]),
@@ -342,7 +352,7 @@ class DecoderGraphWriter:
         if self.quantized or self.ort_ops:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         functions = (make_onnx_functions(heads=(c.num_heads, c.num_kv_heads, c.head_dim),
-                                         decode_path=self.ort_ops)
+                                         decode_path=self.ort_ops, kv_cache_dtype=self.kv_cache_dtype)
                      if self.kv_write == "runtime" else [in_op_function()])
         if self.fused_ops:
             functions += [make_rotary_function(c.num_heads, c.num_kv_heads, c.head_dim), make_silu_function()]
@@ -367,7 +377,7 @@ def add_rope_tables(config: ModelConfig, weights: WeightStore, max_seq_len: int)
 
 def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_len: int,
                   quantized: dict[str, QuantizedLinear] | None = None, accuracy_level: int = 0,
-                  kv_write: str = "runtime", ort_ops: bool = False
+                  kv_write: str = "runtime", ort_ops: bool = False, kv_cache_dtype: str = "float32"
                   ) -> tuple[dict[str, onnx.ModelProto], WeightStore]:
     """Build the prefill and decode graphs over one weight store.
 
@@ -385,6 +395,9 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
             gets its decode path (:func:`~builder.paged_attention.make_onnx_function`), and
             ONNX Runtime's fused ``RotaryEmbedding`` and ``SkipSimplifiedLayerNormalization``
             (residual add + RMSNorm) replace their standard-op spelling.
+        kv_cache_dtype: the pools' type, ``"float32"`` or ``"float16"`` (the graphs'
+            ``key_cache.{i}`` / ``value_cache.{i}`` inputs; the attention body casts what it
+            gathers from float16 pools to float32). ``kv_write="in_op"`` takes float32 only.
     Returns:
         ``({"prefill": model, "decode": model}, store)``; write the store with ``store.write``.
     """
@@ -402,6 +415,6 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
         raise ValueError(f"max_seq_len {max_seq_len} exceeds GPT-2's learned positions "
                          f"({config.max_position_embeddings})")
     graphs = {kind: DecoderGraphWriter(config, store, max_seq_len, kind, quantized, accuracy_level,
-                                       kv_write, ort_ops).build()
+                                       kv_write, ort_ops, kv_cache_dtype).build()
               for kind in ("prefill", "decode")}
     return graphs, store

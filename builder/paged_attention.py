@@ -11,6 +11,8 @@ Schema (domain ``trtllm_lite``, version 1)::
       2 value            [num_tokens, num_kv_heads, head_dim]               float  new V
       3 key_cache        [num_blocks, block_size, num_kv_heads, head_dim]   float  this layer's K pool
       4 value_cache      [num_blocks, block_size, num_kv_heads, head_dim]   float  this layer's V pool
+                         (pools: float32 or float16, build's kv_cache_dtype; the op reads
+                         float16 rows as float32, and computes in float32)
       5 slot_mapping     [num_tokens]                     int64  flat pool slot of each new token
       6 block_tables     [num_seqs, max_blocks_per_seq]   int64  logical -> physical block
       7 context_lens     [num_seqs]                       int64  tokens already cached before the step
@@ -43,6 +45,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from trtllm_lite.engine_dir import KV_CACHE_DTYPES
+
 DOMAIN = "trtllm_lite"
 OP_TYPE = "PagedAttention"
 OP_VERSION = 1
@@ -61,12 +65,34 @@ NUM_DECODE_METADATA = len(METADATA_NAMES)    # the ONNX Runtime graphs' decode p
 GQA_HEAD_DIM_MULTIPLE = 8   # ONNX Runtime's CPU GroupQueryAttention: head_size % 8 == 0
 
 
+def _cast_cache(kv_cache_dtype: str) -> bool:
+    """Whether a function body for pools of ``kv_cache_dtype`` casts what it gathers to float32.
+
+    Raises:
+        ValueError: ``kv_cache_dtype`` is not in :data:`KV_CACHE_DTYPES`.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return kv_cache_dtype == "float16"
+
+
+def _gather_blocks(w, cache: str, block_ids: str, cast: bool) -> str:
+    """``Gather(cache, block_ids, axis=0)``: whole blocks of a pool; with ``cast`` (float16
+    pools) cast to float32, so only the gathered context is converted, never the pool, and
+    float32 engines' bodies have no Cast at all."""
+    from onnx import TensorProto
+
+    gathered = w.op("Gather", cache, block_ids, axis=0)
+    return w.op("Cast", gathered, to=TensorProto.FLOAT) if cast else gathered
+
+
 def write_kv_reference(key_cache: np.ndarray, value_cache: np.ndarray, key: np.ndarray,
                        value: np.ndarray, slot_mapping: np.ndarray) -> None:
     """Store new K/V in the pools in place (the paged KV write).
 
     Args:
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, float32
+            or float16 (build's kv_cache_dtype: numpy rounds float32 K/V to nearest even).
         key, value: ``[num_tokens, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]`` int, flat slot ``block * block_size + offset``.
     """
@@ -81,8 +107,9 @@ def reference_paged_attention(query: np.ndarray, key: np.ndarray, value: np.ndar
                               query_start_loc: np.ndarray, scale: float) -> np.ndarray:
     """Plain float64 numpy reference of the op (no writes to the pools).
 
-    Shapes as in the module docstring. Returns ``[num_tokens, num_heads, head_dim]``
-    in ``query``'s dtype. Loops over sequences; meant for tests, not speed.
+    Shapes as in the module docstring (pools float32 or float16, read as float64). Returns
+    ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype. Loops over sequences; meant
+    for tests, not speed.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -262,11 +289,13 @@ def _write_ragged_metadata(w, ctx: str, ctx_block_ids: str, ctx_blocks: str, blo
     return block_ids, owner, pad_map, ragged_bias, seg, pays
 
 
-def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str) -> None:
+def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str,
+                     cast_cache: bool = False) -> None:
     """The attention over gathered context blocks (see :func:`make_onnx_function`).
 
     ``dims``: ``heads``, ``kv_heads``, ``group``, ``head_dim`` as ``[1]`` int64 tensor names
-    (constants when known at export, else read from the inputs' shapes).
+    (constants when known at export, else read from the inputs' shapes). ``cast_cache``:
+    float16 pools, whose gathered blocks are cast to float32 (:func:`_gather_blocks`).
     """
     pad_index, unpad_index, ctx_block_ids, attn_bias = metadata
     zero, neg1 = w.const([0]), w.const([-1])
@@ -280,7 +309,7 @@ def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str
     ctx_shape = w.op("Concat", zero, zero, neg1, d, axis=0)
 
     def head_major(cache, new):
-        cached = w.op("Transpose", w.op("Gather", cache, ctx_block_ids, axis=0), perm=[0, 3, 1, 2, 4])
+        cached = w.op("Transpose", _gather_blocks(w, cache, ctx_block_ids, cast_cache), perm=[0, 3, 1, 2, 4])
         return w.op("Concat", w.op("Reshape", cached, ctx_shape),                # [S, Hkv, Lc, D]
                     w.op("Transpose", w.op("Gather", new, pad_index, axis=0), perm=[0, 2, 1, 3]), axis=2)
 
@@ -302,7 +331,7 @@ def _write_attention(w, q, k, v, kc, vc, metadata, dims, scale: str, output: str
 
 
 def _write_decode_attention(w, q, k, v, kc, vc, ctx_block_ids: str, decode_bias: str, decode_split: str,
-                            head_dim: str, scale: str, output: str) -> None:
+                            head_dim: str, scale: str, output: str, cast_cache: bool = False) -> None:
     """The decode path: every sequence computes one token (``T == S``), the common step.
 
     The gathered blocks stay in the pool's layout, ``[S, Lc * Hkv, D]`` (position-major,
@@ -316,10 +345,12 @@ def _write_decode_attention(w, q, k, v, kc, vc, ctx_block_ids: str, decode_bias:
 
         scores = [q * scale @ K_ctx^T | q * scale @ k^T] + decode_bias    [S, H, (Lc + 1) * Hkv]
         out    = softmax(scores)[:, :, :Lc * Hkv] @ V_ctx + softmax(...)[:, :, Lc * Hkv:] @ v
+
+    ``cast_cache``: float16 pools (the gathered blocks are cast to float32).
     """
     rows = w.op("Concat", w.const([0, -1]), head_dim, axis=0)
-    k_ctx = w.op("Reshape", w.op("Gather", kc, ctx_block_ids, axis=0), rows)        # [S, Lc*Hkv, D]
-    v_ctx = w.op("Reshape", w.op("Gather", vc, ctx_block_ids, axis=0), rows)
+    k_ctx = w.op("Reshape", _gather_blocks(w, kc, ctx_block_ids, cast_cache), rows)  # [S, Lc*Hkv, D]
+    v_ctx = w.op("Reshape", _gather_blocks(w, vc, ctx_block_ids, cast_cache), rows)
     q_scaled = w.op("Mul", q, scale)                                                # [S, H, D]
     transposed = lambda x: w.op("Transpose", x, perm=[0, 2, 1])  # noqa: E731  (folds into the MatMul)
     scores = w.op("Concat", w.op("MatMul", q_scaled, transposed(k_ctx)),
@@ -330,7 +361,7 @@ def _write_decode_attention(w, q, k, v, kc, vc, ctx_block_ids: str, decode_bias:
 
 
 def _write_ragged_decode_attention(w, q, k, v, kc, vc, metadata, heads: tuple[int, int, int],
-                                   scale: str, output: str) -> None:
+                                   scale: str, output: str, cast_cache: bool = False) -> None:
     """The decode path over ragged context blocks: every sequence computes one token and the
     context lengths differ, so :func:`_write_decode_attention`'s padding to the longest
     context would gather (and score) mostly empty rows.
@@ -347,13 +378,15 @@ def _write_ragged_decode_attention(w, q, k, v, kc, vc, metadata, heads: tuple[in
         s_b = q_owner(b) * scale @ K_b^T + ragged_bias_b          [NBt, H, B * Hkv]
         m_s = max(max over blocks of s, max of the new token's scores)    [S, H]
         out_s = (sum_b exp(s_b - m_s) @ V_b + exp(s_new - m_s) @ v) / (sum of the same exps)
+
+    ``cast_cache``: float16 pools (the gathered blocks are cast to float32).
     """
     block_ids, owner, pad_map, bias, seg = metadata
     num_heads, num_kv_heads, head_dim = heads
     i64 = lambda v: w.const(v)  # noqa: E731
     rows = i64([0, -1, head_dim])
-    k_blocks = w.op("Reshape", w.op("Gather", kc, block_ids, axis=0), rows)          # [NBt, B*Hkv, D]
-    v_blocks = w.op("Reshape", w.op("Gather", vc, block_ids, axis=0), rows)
+    k_blocks = w.op("Reshape", _gather_blocks(w, kc, block_ids, cast_cache), rows)   # [NBt, B*Hkv, D]
+    v_blocks = w.op("Reshape", _gather_blocks(w, vc, block_ids, cast_cache), rows)
     q_scaled = w.op("Mul", q, scale)                                                 # [S, H, D]
     transposed = lambda x: w.op("Transpose", x, perm=[0, 2, 1])  # noqa: E731  (folds into the MatMul)
     s_blocks = w.op("Add", w.op("MatMul", w.op("Gather", q_scaled, owner, axis=0), transposed(k_blocks)), bias)
@@ -378,7 +411,7 @@ def _write_ragged_decode_attention(w, q, k, v, kc, vc, metadata, heads: tuple[in
 
 
 def _write_one_sequence_attention(w, q, k, v, kc, vc, ctx, ctx_block_ids: str, heads: tuple[int, int, int],
-                                  output: str) -> None:
+                                  output: str, cast_cache: bool = False) -> None:
     """Steps of one sequence computing ``Q > 1`` tokens: a prompt or prompt chunk alone (the
     TTFT-critical case), one draft verification. (ONNX Runtime's CPU GroupQueryAttention
     takes past context only at batch 1 when ``Q > 1``.)
@@ -389,6 +422,7 @@ def _write_one_sequence_attention(w, q, k, v, kc, vc, ctx, ctx_block_ids: str, h
     fp32, a 512-token chunk after 1,536 cached tokens: 779 -> 606 ms per step). GQA's semantics (a
     "subsequent prompt" over a dynamic cache): past ``[S, Hkv, Lc, D]`` (S = 1) with the first
     ``seqlens_k[s] + 1 - Q = ctx_s`` rows valid, ``total_sequence_length = Lc + Q``.
+    ``cast_cache``: float16 pools (the gathered past is cast to float32, GQA's type here).
     """
     from onnx import AttributeProto, TensorProto
 
@@ -404,7 +438,7 @@ def _write_one_sequence_attention(w, q, k, v, kc, vc, ctx, ctx_block_ids: str, h
     total = w.op("Cast", w.op("Squeeze", w.op("Add", cached, q_len), i64([0])), to=int32)  # scalar
 
     def past(cache):   # [S, Hkv, Lc, D]
-        gathered = w.op("Gather", cache, ctx_block_ids, axis=0)                      # [S, Mc, B, Hkv, D]
+        gathered = _gather_blocks(w, cache, ctx_block_ids, cast_cache)               # [S, Mc, B, Hkv, D]
         return w.op("Reshape", w.op("Transpose", gathered, perm=[0, 3, 1, 2, 4]), i64([0, 0, -1, head_dim]))
 
     def rows(x, width):  # [T, heads, D] -> [S, Q, heads * D]
@@ -436,7 +470,8 @@ def _scale_constant(w) -> str:
     return scale
 
 
-def make_decode_function(heads: tuple[int, int, int], opset: int | None = None):
+def make_decode_function(heads: tuple[int, int, int], opset: int | None = None,
+                         kv_cache_dtype: str = "float32"):
     """The ``trtllm_lite::PagedDecodeAttention`` op as a model-local ONNX function: the
     PagedAttention op's decode step (every sequence computes one token, ``T == S``), which
     the ONNX Runtime graphs call from :func:`make_onnx_function`'s body.
@@ -445,22 +480,25 @@ def make_decode_function(heads: tuple[int, int, int], opset: int | None = None):
     layer's pools, ``block_tables``, ``context_lens`` and the step's decode metadata from
     :func:`write_attention_metadata`), attribute ``scale``, output ``[S, H, D]`` float32.
     The body picks :func:`_write_decode_attention` (contexts padded to the longest) or
-    :func:`_write_ragged_decode_attention` by ``use_padded_decode``. (Where the runtime's C++
-    kernels are registered, ONNX Runtime runs the PagedAttention kernel for the whole op and
-    never reaches this function: ``trtllm_lite/ort_kernels/paged_attention.cc``.)
+    :func:`_write_ragged_decode_attention` by ``use_padded_decode``. ``kv_cache_dtype``: the
+    pools' type (:data:`KV_CACHE_DTYPES`; float16 blocks are cast to float32 once gathered).
+    (Where the runtime's C++ kernels are registered, ONNX Runtime runs the PagedAttention
+    kernel for the whole op and never reaches this function:
+    ``trtllm_lite/ort_kernels/paged_attention.cc``.)
     """
     from onnx import helper
 
     from .onnx_graph import OPSET, NodeWriter
 
     num_heads, num_kv_heads, head_dim = heads
+    cast = _cast_cache(kv_cache_dtype)
     w = NodeWriter("pd_")
     scale = _scale_constant(w)
     padded, ragged = NodeWriter("pd_pad_"), NodeWriter("pd_rag_")
     _write_decode_attention(padded, "query", "key", "value", "key_cache", "value_cache", "ctx_block_ids",
-                            "decode_bias", "decode_split", w.const([head_dim]), scale, "pd_pad_output")
+                            "decode_bias", "decode_split", w.const([head_dim]), scale, "pd_pad_output", cast)
     _write_ragged_decode_attention(ragged, "query", "key", "value", "key_cache", "value_cache", RAGGED_NAMES,
-                                   heads, scale, "pd_rag_output")
+                                   heads, scale, "pd_rag_output", cast)
     w.op("If", "use_padded_decode", outputs=["output"],
          then_branch=_branch(padded, "padded_decode", "pd_pad_output"),
          else_branch=_branch(ragged, "ragged_decode", "pd_rag_output"))
@@ -469,17 +507,18 @@ def make_decode_function(heads: tuple[int, int, int], opset: int | None = None):
 
 
 def make_onnx_functions(opset: int | None = None, heads: tuple[int, int, int] | None = None,
-                        decode_path: bool = False) -> list:
+                        decode_path: bool = False, kv_cache_dtype: str = "float32") -> list:
     """The model-local functions a graph with PagedAttention nodes carries:
-    :func:`make_onnx_function` and, with ``decode_path``, :func:`make_decode_function`."""
-    functions = [make_onnx_function(opset, heads, decode_path)]
+    :func:`make_onnx_function` and, with ``decode_path``, :func:`make_decode_function`
+    (both for pools of ``kv_cache_dtype``)."""
+    functions = [make_onnx_function(opset, heads, decode_path, kv_cache_dtype)]
     if heads is not None and decode_path:
-        functions.append(make_decode_function(heads, opset))
+        functions.append(make_decode_function(heads, opset, kv_cache_dtype))
     return functions
 
 
 def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | None = None,
-                       decode_path: bool = False):
+                       decode_path: bool = False, kv_cache_dtype: str = "float32"):
     """The op as a model-local ONNX function whose body uses standard ops only.
 
     ONNX Runtime (where trtllm-lite's C++ kernels are not registered: with them, it runs the
@@ -509,11 +548,18 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
             (ONNX Runtime's GroupQueryAttention; only when ``head_dim`` is a multiple of 8,
             which its CPU kernel requires) for one sequence computing several, the general
             body otherwise. For ONNX Runtime's float32 graphs (measured there).
+        kv_cache_dtype: the pools' type, ``"float32"`` or ``"float16"`` (build's
+            kv_cache_dtype): with float16 every branch casts the blocks it gathers to float32
+            (one ``Cast`` after each pool ``Gather``) and computes in float32; float32 bodies
+            have no Cast.
+    Raises:
+        ValueError: an unknown ``kv_cache_dtype``.
     """
     from onnx import AttributeProto, helper
 
     from .onnx_graph import MS_DOMAIN, OPSET, NodeWriter
 
+    cast = _cast_cache(kv_cache_dtype)
     w = NodeWriter("pa_")
     q, k, v, kc, vc, _slots, bt, ctx, qsl = INPUT_NAMES
     if heads is None:
@@ -531,21 +577,22 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
         metadata = METADATA_NAMES[:4]
     scale = _scale_constant(w)
     if heads is None or not decode_path:
-        _write_attention(w, q, k, v, kc, vc, metadata, dims, scale, "output")
+        _write_attention(w, q, k, v, kc, vc, metadata, dims, scale, "output", cast)
     else:
         # the kernel, by the step's shape (conditions from the metadata): every sequence
         # computing one token -> the PagedDecodeAttention op (its own function); else one sequence computing
         # several tokens (S == 1; ONNX Runtime's GroupQueryAttention, whose CPU kernel needs
         # head_dim % 8 == 0), else the general body
         general, decode = NodeWriter("pa_gen_"), NodeWriter("pa_dcall_")
-        _write_attention(general, q, k, v, kc, vc, metadata, dims, scale, "pa_gen_output")
+        _write_attention(general, q, k, v, kc, vc, metadata, dims, scale, "pa_gen_output", cast)
         decode.op(DECODE_OP_TYPE, *DECODE_INPUT_NAMES, domain=DOMAIN, outputs=["pa_dcall_output"])
         decode.nodes[-1].attribute.append(AttributeProto(name="scale", ref_attr_name="scale",
                                                          type=AttributeProto.FLOAT))
         prefill, prefill_out = general, "pa_gen_output"
         if heads[2] % GQA_HEAD_DIM_MULTIPLE == 0:
             one_seq, prefill, prefill_out = NodeWriter("pa_gqa_"), NodeWriter("pa_pre_"), "pa_pre_output"
-            _write_one_sequence_attention(one_seq, q, k, v, kc, vc, ctx, "ctx_block_ids", heads, "pa_gqa_output")
+            _write_one_sequence_attention(one_seq, q, k, v, kc, vc, ctx, "ctx_block_ids", heads, "pa_gqa_output",
+                                          cast)
             prefill.op("If", "is_one_sequence", outputs=[prefill_out],
                        then_branch=_branch(one_seq, "one_sequence", "pa_gqa_output"),
                        else_branch=_branch(general, "general", "pa_gen_output"))
@@ -570,6 +617,8 @@ def without_attention_metadata(model):
     (index and mask tensors for the function body) would run every step for nothing
     (measured on SmolLM2 int4 at batch 1: ~5% of a decode step). Without the kernels this
     graph still runs, but computes the metadata once per layer instead of once per step.
+    The body is written for the graph's pool type (its ``key_cache.0`` input: float32 or
+    float16).
 
     Args:
         model: ``onnx.ModelProto``; left unchanged.
@@ -594,7 +643,9 @@ def without_attention_metadata(model):
     del graph.node[:]
     graph.node.extend(kept)
     opset = next(o.version for o in out.opset_import if o.domain == "")
+    pool = next(i for i in graph.input if i.name == "key_cache.0")
+    kv_cache_dtype = "float16" if pool.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else "float32"
     functions = [f for f in out.functions if (f.domain, f.name) not in {(DOMAIN, OP_TYPE), (DOMAIN, DECODE_OP_TYPE)}]
     del out.functions[:]
-    out.functions.extend(functions + [make_onnx_function(opset)])
+    out.functions.extend(functions + [make_onnx_function(opset, kv_cache_dtype=kv_cache_dtype)])
     return out

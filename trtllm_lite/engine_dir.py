@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 ENGINE_FORMAT_VERSION = 1
 MANIFEST = "engine.json"
+KV_CACHE_DTYPES = ("float32", "float16")   # build["kv_cache_dtype"] (absent: float32)
 
 
 class EngineError(ValueError):
@@ -44,6 +45,19 @@ class EngineDir:
     def backend(self) -> str:
         return self.build["backend"]
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The build's ``kv_cache_dtype``: ``"float32"`` (also engines built before the
+        option) or ``"float16"``."""
+        return self.build.get("kv_cache_dtype", "float32")
+
+    @property
+    def kv_pool_dtype(self) -> str:
+        """The element type the runtime's KV pools hold: :attr:`kv_cache_dtype` on ONNX
+        Runtime; the engine's precision (``dtype``) on the TensorRT backends, whose pools
+        and kernels follow it."""
+        return self.kv_cache_dtype if self.backend == "onnxruntime" else self.build.get("dtype", "float32")
+
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
@@ -63,8 +77,9 @@ def load_engine_dir(path: str, verify_checksums: bool = True,
 
     Raises:
         EngineError: the directory or manifest is missing, its ``format_version`` differs from
-            :data:`ENGINE_FORMAT_VERSION`, its backend differs from ``expected_backend``, or
-            a file is missing or fails its sha256 (the message names the file).
+            :data:`ENGINE_FORMAT_VERSION`, its backend differs from ``expected_backend``, its
+            ``kv_cache_dtype`` is not one of :data:`KV_CACHE_DTYPES`, or a file is missing or
+            fails its sha256 (the message names the file).
     """
     manifest_path = os.path.join(path, MANIFEST)
     if os.path.exists(path) and not os.path.isdir(path):
@@ -85,6 +100,10 @@ def load_engine_dir(path: str, verify_checksums: bool = True,
     backend = manifest.get("build", {}).get("backend")
     if expected_backend is not None and backend != expected_backend:
         raise EngineError(f"engine {path!r} was built for backend {backend!r}, not {expected_backend!r}")
+    kv_cache_dtype = manifest.get("build", {}).get("kv_cache_dtype", "float32")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise EngineError(f"engine {path!r} has kv_cache_dtype {kv_cache_dtype!r}; this runtime reads "
+                          f"KV caches of {' or '.join(KV_CACHE_DTYPES)}: rebuild it with --kv-cache-dtype")
     for name, digest in manifest.get("files", {}).items():
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):
