@@ -9,14 +9,15 @@ from dataclasses import asdict, dataclass
 
 import onnx
 
-from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST, sha256_file
+from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, KV_CACHE_DTYPES, MANIFEST, sha256_file
 
 from .export_onnx import export_graphs
 from .draft import keep_first_layers
 from .loaders import load_model
 from .paged_attention import without_attention_metadata
 from .quantize import QUANTIZATIONS, quantize_model
-from .compile_tensorrt import KV_WRITE, PRECISIONS, ProfileLimits, compile_engine, import_tensorrt
+from .compile_tensorrt import (KV_WRITE, PRECISIONS, ProfileLimits, check_kv_cache_dtype, compile_engine,
+                               import_tensorrt)
 
 BACKENDS = ("onnxruntime", "tensorrt", "tensorrt-rtx")
 DTYPES = {"onnxruntime": ("float32",), **PRECISIONS}  # what each backend builds
@@ -35,6 +36,10 @@ class BuildConfig:
     lm_head / tied embedding quantized, mapped exactly; ``False``: float32; ``True``:
     always); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations,
     the default; 4: int8 activations, faster, changes results; the runtime can switch).
+
+    ``kv_cache_dtype``: the KV pools' element type, ``"float32"`` (default) or ``"float16"``
+    (half the bytes per block; K/V rounded to float16 when stored, attention still computed
+    in float32; onnxruntime backend only: the TensorRT backends' pools follow ``dtype``).
     """
 
     backend: str = "onnxruntime"
@@ -49,6 +54,7 @@ class BuildConfig:
     quant_symmetric: bool = True
     quantize_lm_head: bool | None = None
     accuracy_level: int | None = None
+    kv_cache_dtype: str = "float32"
 
     def validate(self, max_positions: int | None = None) -> None:
         """Raise ``ValueError`` naming the first bad option; ``max_positions`` (the model's
@@ -61,7 +67,11 @@ class BuildConfig:
         if self.backend in KV_WRITE and self.quantization != "none":
             raise ValueError(f"--quantization {self.quantization!r}: the {self.backend} backend "
                              "builds unquantized weights (MatMulNBits is ONNX Runtime's op)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: kv_cache_dtype must be one of "
+                             f"{' or '.join(KV_CACHE_DTYPES)}")
         if self.backend in KV_WRITE:
+            check_kv_cache_dtype(self.backend, self.kv_cache_dtype)
             import_tensorrt(self.backend)  # fail before exporting when the package is missing
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
             if getattr(self, name) < 1:
@@ -101,9 +111,13 @@ def _versions() -> dict[str, str]:
 def build_engine(model: str, output: str, build_config: BuildConfig | None = None) -> str:
     """Build an engine directory from ``model`` (short name, GGUF file or HF directory).
 
+    ``build_config.kv_cache_dtype`` (``"float32"``, the default, or ``"float16"``) is the KV
+    pools' type, recorded in the manifest as ``build["kv_cache_dtype"]``.
+
     Returns the engine directory. Raises ``FileNotFoundError`` for an unknown model,
     ``UnsupportedModelError`` for an unsupported architecture or missing tensor, and
-    ``ValueError`` for bad build options.
+    ``ValueError`` for bad build options (an unknown ``kv_cache_dtype``, or float16 for a
+    TensorRT backend, before the model is loaded).
     """
     bc = build_config or BuildConfig()
     bc.validate()   # the options alone, before loading the model (seconds)
@@ -125,7 +139,7 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         bc.quantize_lm_head = ("embed.weight" if cfg.tie_word_embeddings else "lm_head.weight") in quantized
     graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len, quantized, bc.accuracy_level,
                                   KV_WRITE.get(bc.backend, "runtime"),
-                                  ort_ops=bc.backend == "onnxruntime")
+                                  ort_ops=bc.backend == "onnxruntime", kv_cache_dtype=bc.kv_cache_dtype)
     _log(f"exported prefill and decode graphs ({len(graphs['decode'].graph.node)} nodes each)")
 
     def progress(done, total):
@@ -150,7 +164,7 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     if bc.backend in KV_WRITE:
         limits = ProfileLimits(bc.max_num_seqs, bc.max_num_batched_tokens, bc.max_seq_len, bc.block_size)
         tensorrt = compile_engine(output, bc.backend, bc.dtype, limits, (cfg.num_kv_heads, cfg.head_dim),
-                                  cfg.num_layers, log=_log)
+                                  cfg.num_layers, log=_log, kv_cache_dtype=bc.kv_cache_dtype)
     tokenizer_files = loaded.tokenizer_saver(output) if loaded.tokenizer_saver else []
     _log(f"tokenizer files: {tokenizer_files or 'none (token-id prompts only)'}")
 

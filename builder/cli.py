@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GEMMs, attention and KV cache: float32 (onnxruntime, tensorrt-rtx), "
                         "float16 or bfloat16 (tensorrt, tensorrt-rtx)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["float32", "float16"],
+                   help="KV cache element type (onnxruntime backend): float16 halves the pools' bytes "
+                        "(K/V rounded to float16 when stored, attention computed in float32)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens per step (the token budget)")
@@ -47,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
                          max_seq_len=args.max_seq_len, draft_layers=args.draft_layers, quantization=args.quantization,
                          quant_block_size=args.quant_block_size,
                          quant_symmetric=not args.quant_asymmetric,
-                         quantize_lm_head=args.quantize_lm_head, accuracy_level=args.accuracy_level)
+                         quantize_lm_head=args.quantize_lm_head, accuracy_level=args.accuracy_level,
+                         kv_cache_dtype=args.kv_cache_dtype)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise ValueError(f"--output {args.output!r} exists and is not a directory")
     build_engine(args.model, args.output, config)

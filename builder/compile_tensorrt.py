@@ -238,13 +238,36 @@ def build_plan(graph_path: str, backend: str, dtype: str, limits: ProfileLimits,
     return bytes(plan), section
 
 
+def check_kv_cache_dtype(backend: str, kv_cache_dtype: str) -> None:
+    """Refuse a ``kv_cache_dtype`` other than float32 for the TensorRT backends.
+
+    Their KV pools take the engine's precision (``--dtype``: the CUDA PagedAttention plugin
+    and kernels read pools of the network's type, the in-op KV write stores that type), not a
+    type of their own; ``kv_cache_dtype`` float16 is the onnxruntime backend's option.
+
+    Raises:
+        ValueError: ``kv_cache_dtype`` is not ``"float32"`` (the message names kv_cache_dtype).
+    """
+    if kv_cache_dtype != "float32":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} (--kv-cache-dtype): the {backend} backend's KV "
+                         f"pools take the engine's precision (--dtype {' or '.join(PRECISIONS[backend])}), "
+                         "which its CUDA PagedAttention kernels read; kv_cache_dtype float16 is built for the "
+                         "onnxruntime backend only")
+
+
 def compile_engine(output: str, backend: str, dtype: str, limits: ProfileLimits,
-                   kv_dims: tuple[int, int], num_layers: int, log=None) -> dict:
+                   kv_dims: tuple[int, int], num_layers: int, log=None, kv_cache_dtype: str = "float32") -> dict:
     """Build ``output/model.plan`` from ``output/prefill.onnx`` (through its
     :func:`mixed_precision` copy ``prefill.<dtype>.onnx`` for 16-bit engines); return the
-    manifest section."""
+    manifest section.
+
+    Raises:
+        ValueError: ``kv_cache_dtype`` is not float32 (:func:`check_kv_cache_dtype`), before
+            any work and before TensorRT is imported.
+    """
     import onnx
 
+    check_kv_cache_dtype(backend, kv_cache_dtype)
     graph = os.path.join(output, "prefill.onnx")
     if dtype != "float32":
         typed = os.path.join(output, f"prefill.{dtype}.onnx")
