@@ -81,7 +81,8 @@ class LLMEngine:
             :data:`CPU_MAX_NUM_BATCHED_TOKENS`, or :data:`CPU_OFFLINE_MAX_NUM_BATCHED_TOKENS`
             with ``offline`` (see their note; :func:`default_max_num_batched_tokens`).
         kv_cache_memory_bytes: memory for the K and V pools (bytes; default 1 GiB, capped at
-            what ``max_num_seqs`` sequences of ``max_seq_len`` tokens can use).
+            what ``max_num_seqs`` sequences of ``max_seq_len`` tokens can use); a float16
+            pool (build's kv_cache_dtype) fits twice the blocks of a float32 one.
         num_kv_blocks: pool size in blocks, overriding ``kv_cache_memory_bytes``.
         enable_chunked_prefill: cut long prompts into budget-sized chunks.
         enable_prefix_caching: share full KV blocks between requests with equal prefixes.
@@ -130,7 +131,8 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(enable_chunked_prefill=enable_chunked_prefill,
                                                 max_waiting=max_waiting, **limits)
         self.block_size = build["block_size"]
-        kv_itemsize = 2 if build.get("dtype") in ("float16", "bfloat16") else 4
+        # the pools' element: kv_cache_dtype on ONNX Runtime, the precision on TensorRT
+        kv_itemsize = 2 if self.engine.kv_pool_dtype in ("float16", "bfloat16") else 4
         bytes_per_block = 2 * model["num_layers"] * self.block_size * model["num_kv_heads"] * model["head_dim"] * kv_itemsize
         if num_kv_blocks is None:
             budget = kv_cache_memory_bytes if kv_cache_memory_bytes is not None else DEFAULT_KV_CACHE_MEMORY_BYTES

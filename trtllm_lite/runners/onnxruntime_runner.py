@@ -7,12 +7,13 @@ Memory:
     once into one numpy buffer and every initializer of both sessions is an OrtValue view of
     it (``SessionOptions.add_initializer``).
   * KV pools: ``key_cache`` / ``value_cache`` ``[num_layers, num_blocks, block_size,
-    num_kv_heads, head_dim]`` float32 numpy arrays. Each layer's slice is bound once as an
+    num_kv_heads, head_dim]`` numpy arrays, float32 or float16 (build's kv_cache_dtype; float16
+    halves the bytes a block holds and attention reads). Each layer's slice is bound once as an
     OrtValue sharing the array's memory; a step never copies the pool into or out of a
     session. The graph reads only the blocks in the step's block tables and returns the
-    step's new K/V (``new_keys``/``new_values``); :meth:`OnnxRuntimeRunner.execute` stores
-    them at ``slot_mapping`` with one numpy scatter, so a step costs what it computes and
-    attends, not what the pool holds.
+    step's new K/V (``new_keys``/``new_values``, float32); :meth:`OnnxRuntimeRunner.execute`
+    stores them at ``slot_mapping`` with one numpy scatter per pool (rounded to nearest even
+    for float16 pools), so a step costs what it computes and attends, not what the pool holds.
 """
 from __future__ import annotations
 
@@ -236,7 +237,8 @@ class OnnxRuntimeRunner:
     rows requested): packed weights belong to a session, so one session holds them once.
 
     Args:
-        engine: a validated engine directory.
+        engine: a validated engine directory; its pools are float32 or float16 (build's
+            kv_cache_dtype).
         num_kv_blocks: KV blocks in the pool (each ``block_size`` tokens, all layers).
         num_threads: intra-op threads (default: ``options``, else all cores).
         options: ONNX Runtime options (default :meth:`OrtOptions.from_env`).
@@ -252,8 +254,9 @@ class OnnxRuntimeRunner:
         self.num_layers, self.vocab_size = m["num_layers"], m["vocab_size"]
         self.block_size, self.num_blocks = b["block_size"], num_kv_blocks
         self.kv_shape = (m["num_layers"], num_kv_blocks, b["block_size"], m["num_kv_heads"], m["head_dim"])
-        self.key_cache = np.zeros(self.kv_shape, np.float32)
-        self.value_cache = np.zeros(self.kv_shape, np.float32)
+        self.kv_dtype = np.dtype(engine.kv_cache_dtype)   # float32 or float16 (build's kv_cache_dtype)
+        self.key_cache = np.zeros(self.kv_shape, self.kv_dtype)
+        self.value_cache = np.zeros(self.kv_shape, self.kv_dtype)
         kernels = kernels_registered(self.options)
         # the C++ PagedAttention kernel attends each sequence over its own keys (no padding to
         # the call's longest query or context), so any mix of sequences is one graph call
@@ -283,8 +286,8 @@ class OnnxRuntimeRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes one block holds over all layers, K and V."""
-        return 2 * int(np.prod(self.kv_shape[:1] + self.kv_shape[2:])) * 4
+        """Bytes one block holds over all layers, K and V (2 bytes an element for float16 pools)."""
+        return 2 * int(np.prod(self.kv_shape[:1] + self.kv_shape[2:])) * self.kv_dtype.itemsize
 
     def _run(self, kind: str, inputs: StepInputs) -> np.ndarray:
         binding = self._bindings[kind]
@@ -313,7 +316,8 @@ class OnnxRuntimeRunner:
         return self._shrink_options if score_bytes > ARENA_SHRINK_SCORE_BYTES else self._run_options
 
     def _store_kv(self, slot_mapping: np.ndarray, new_keys: np.ndarray, new_values: np.ndarray) -> None:
-        """Paged KV write: ``pool[layer, slot] = new[layer, token]`` for the step's tokens."""
+        """Paged KV write: ``pool[layer, slot] = new[layer, token]`` for the step's tokens, one
+        scatter per pool (numpy rounds float32 to float16 pools' type, nearest even)."""
         flat = (self.num_layers, -1) + self.kv_shape[3:]
         self.key_cache.reshape(flat)[:, slot_mapping] = new_keys
         self.value_cache.reshape(flat)[:, slot_mapping] = new_values
