@@ -1,0 +1,225 @@
+"""``--kv-cache-dtype float16``: KV pools of half the bytes, against HF transformers and the
+float32 engine built from the same tiny random checkpoint.
+
+The tolerance: the float16 pools round each cached K/V element to 11 significant bits
+(relative error <= 2^-11 ~ 4.9e-4, round to nearest even); the attention itself still runs in
+float32 (the step's own new K/V too). Over two layers that moved the tiny models' logits (scale
+~3) by 4e-4 to 1.4e-3 at most, across eight checkpoints (llama GQA / MQA / MHA, head_dim 12,
+qwen2 with biases, gpt2, four seeds), while the float32 engine stays within 2e-6 of HF. The
+bound here, 1e-2, is ~7x the largest seen; greedy ids matched the float32 engine's on all eight.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from trtllm_lite import LLM, SamplingParams
+from trtllm_lite.engine_dir import EngineDir, EngineError, load_engine_dir
+from trtllm_lite.runners.base import ScheduledSeq, StepBatch
+from trtllm_lite.runners.onnxruntime_runner import OnnxRuntimeRunner, OrtOptions
+
+from .test_tiny_models import kernel_graphs_engine
+
+FLOAT16_LOGITS_ATOL = 1e-2     # module docstring
+FLOAT16 = {"kv_cache_dtype": "float16"}
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def run_steps(runner: OnnxRuntimeRunner, after_step=None) -> tuple[list[np.ndarray], list[list[int]]]:
+    """Steps that take each of the attention body's branches (block size 4): three prompts
+    (1, 11, 12 tokens: the general body); a decode of all three at contexts 1 / 11 / 12 (3 of
+    3 blocks used of each row: the padded decode); one at 2 / 12 / 13 (ragged: 8 of 12 blocks);
+    the third sequence alone computing 3 tokens after 14 cached (one sequence: GQA); the first
+    two computing 2 tokens each (the general body over cached context). The decoded tokens are
+    the greedy ones; ``after_step()`` runs after each step. Returns each step's logits and the
+    sequences' tokens."""
+    after_step = after_step or (lambda: None)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (1, 11, 12)]
+    tables = [[0, 1, 2, 3, 4], [10, 9, 8, 7, 6], [20, 31, 22, 23, 40]]
+    seqs = [ScheduledSeq(list(p), t, 0, len(p)) for p, t in zip(prompts, tables)]
+    steps = [runner.execute(StepBatch(prefill=seqs))]
+    after_step()
+    for _ in range(2):
+        for s, row in zip(seqs, steps[-1]):
+            s.token_ids.append(int(row.argmax()))
+            s.start, s.num_new_tokens = len(s.token_ids) - 1, 1
+        steps.append(runner.execute(StepBatch(decode=seqs)))
+        after_step()
+    plan = [([seqs[2]], 3), (seqs[:2], 2)]
+    for group, n in plan:
+        for s in group:
+            s.token_ids += rng.integers(0, 256, n).tolist()
+            s.start, s.num_new_tokens, s.num_logits = len(s.token_ids) - n, n, n
+        steps.append(runner.execute(StepBatch(prefill=group)))
+        after_step()
+    return steps, [s.token_ids for s in seqs]
+
+
+def reference_rows(hf, tokens: list[list[int]]) -> list[np.ndarray]:
+    """HF's logits for the rows :func:`run_steps` returns, in its order."""
+    full = [hf_logits(hf, ids) for ids in tokens]
+    prompt = (1, 11, 12)
+    rows = [np.stack([full[s][prompt[s] - 1] for s in range(3)])]
+    for k in range(2):
+        rows.append(np.stack([full[s][prompt[s] + k] for s in range(3)]))
+    rows.append(full[2][prompt[2] + 2:prompt[2] + 5])
+    rows.append(np.concatenate([full[s][prompt[s] + 2:prompt[s] + 4] for s in range(2)]))
+    return rows
+
+
+@pytest.mark.parametrize("path", ["function-bodies", "kernel-graphs-function-bodies", "kernels"])
+def test_float16_kv_cache_logits_match_hf_within_its_rounding(tiny_model, path, tmp_path):
+    """Each attention branch of the function body (the engine's graphs and the kernels'
+    graphs, which compute the metadata per layer) and trtllm-lite's C++ kernel, on float16
+    pools: logits within float16 rounding of HF's (and the float32 engine's within float32's),
+    greedy ids as the float32 engine's; and the float32 engine whose pools are rounded to
+    float16 after every step gives the float16 engine's logits within float32 rounding (the
+    float16 path reads exactly the rounded values)."""
+    from trtllm_lite.ort_kernels import library_path
+
+    kernels = path == "kernels"
+    if kernels and library_path() is None:
+        pytest.skip("trtllm-lite's kernels do not build here (no C++ compiler)")
+    hf, engine16 = tiny_model("llama-gqa", **FLOAT16)
+    _, engine32 = tiny_model("llama-gqa")
+    if path == "kernel-graphs-function-bodies":
+        engine16 = kernel_graphs_engine(engine16, tmp_path / "16")
+        engine32 = kernel_graphs_engine(engine32, tmp_path / "32")
+    runners = {}
+    for name, engine_dir in (("16", engine16), ("32", engine32), ("32-rounded", engine32)):
+        runners[name] = OnnxRuntimeRunner(load_engine_dir(engine_dir, verify_checksums=False), 64,
+                                          options=OrtOptions(custom_kernels=kernels))
+        assert all(f.endswith(".kernels.onnx") is (path != "function-bodies")
+                   for f in runners[name].graph_files.values())
+    assert runners["16"].key_cache.dtype == runners["16"].value_cache.dtype == np.float16
+    steps16, tokens = run_steps(runners["16"])
+    greedy = [[int(i) for i in step.argmax(-1)] for step in steps16[:3]]
+    steps32, tokens32 = run_steps(runners["32"])
+    assert tokens32 == tokens   # the float32 engine chose the same greedy ids
+    rounded = runners["32-rounded"]
+
+    def round_pools():   # in place: the sessions read these arrays
+        for pool in (rounded.key_cache, rounded.value_cache):
+            pool[...] = pool.astype(np.float16)
+
+    steps_rounded, tokens_rounded = run_steps(rounded, round_pools)
+    assert tokens_rounded == tokens
+    for a, b in zip(steps16, steps_rounded):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    ref = reference_rows(hf, tokens)
+    for step, (a, b, r) in enumerate(zip(steps16, steps32, ref)):
+        if step < 3:
+            assert [int(i) for i in b.argmax(-1)] == greedy[step]
+        np.testing.assert_allclose(b, r, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(a, r, atol=FLOAT16_LOGITS_ATOL, rtol=0)
+    # the first step attends only its own (float32) K/V; later steps read the rounded pools
+    np.testing.assert_allclose(steps16[0], steps32[0], atol=1e-5, rtol=1e-5)
+    assert max(np.abs(a - b).max() for a, b in zip(steps16[1:], steps32[1:])) > 1e-5
+    # layer 0's K/V (from the embeddings alone, equal in both engines): stored rounded to nearest even
+    for pool in ("key_cache", "value_cache"):
+        assert np.array_equal(getattr(runners["16"], pool)[0], getattr(runners["32"], pool)[0].astype(np.float16))
+
+
+def pool_casts(model: onnx.ModelProto) -> int:
+    """Cast nodes on what a Gather read from a pool, in the attention functions and their
+    ``If`` branches."""
+    def count(nodes):
+        gathered = {n.output[0] for n in nodes if n.op_type == "Gather" and n.input[0] in ("key_cache", "value_cache")}
+        n = sum(node.op_type == "Cast" and node.input[0] in gathered for node in nodes)
+        return n + sum(count(attr.g.node) for node in nodes for attr in node.attribute
+                       if attr.type == onnx.AttributeProto.GRAPH)
+
+    return sum(count(f.node) for f in model.functions if f.name in ("PagedAttention", "PagedDecodeAttention"))
+
+
+def test_float16_engine_records_the_dtype_and_halves_the_pools(tiny_model, tmp_path):
+    """The manifest's ``kv_cache_dtype``, every graph's pool inputs, the runner's pools and
+    bytes per block, the blocks a memory budget buys, and the manifest check."""
+    _, engine16 = tiny_model("llama-gqa", **FLOAT16)
+    _, engine32 = tiny_model("llama-gqa")
+    e16, e32 = (load_engine_dir(e, verify_checksums=False) for e in (engine16, engine32))
+    assert e16.build["kv_cache_dtype"] == "float16" and e32.build["kv_cache_dtype"] == "float32"
+    for engine, elem, casts in ((e16, onnx.TensorProto.FLOAT16, True), (e32, onnx.TensorProto.FLOAT, False)):
+        files = {g["file"] for g in engine.manifest["graphs"].values()}
+        files |= set(engine.manifest["graph_variants"]["custom_kernels"].values())
+        assert len(files) == 4
+        for file in files:
+            model = onnx.load(engine.file(file), load_external_data=False)
+            pools = [i for i in model.graph.input if "_cache." in i.name]
+            assert len(pools) == 4 and {i.type.tensor_type.elem_type for i in pools} == {elem}
+            assert (pool_casts(model) > 0) is casts, file   # float32 bodies: no Cast
+    r16, r32 = (OnnxRuntimeRunner(e, 8, options=OrtOptions(custom_kernels=False)) for e in (e16, e32))
+    assert r16.key_cache.dtype == np.float16 and r32.key_cache.dtype == np.float32
+    assert r16.kv_bytes_per_block * 2 == r32.kv_bytes_per_block == 2 * 2 * 4 * 2 * 16 * 4
+    budget = 100 * r32.kv_bytes_per_block
+    blocks = {name: LLM(e, kv_cache_memory_bytes=budget, verify_checksums=False).engine.kv.pool.num_blocks
+              for name, e in (("16", engine16), ("32", engine32))}
+    assert blocks == {"16": 200, "32": 100}
+    # an engine without the key (built before the option) is float32; an unknown value is refused
+    copy = tmp_path / "engine"
+    shutil.copytree(engine32, copy)
+    manifest = json.loads((copy / "engine.json").read_text())
+    del manifest["build"]["kv_cache_dtype"]
+    (copy / "engine.json").write_text(json.dumps(manifest))
+    assert load_engine_dir(str(copy)).kv_cache_dtype == "float32"
+    manifest["build"]["kv_cache_dtype"] = "int8"
+    (copy / "engine.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="kv_cache_dtype 'int8'"):
+        load_engine_dir(str(copy))
+
+
+def test_float16_draft_engine_keeps_its_own_pools(tiny_model):
+    """A float16 engine as the speculative draft of the float32 one: its own float16 pools,
+    greedy output identical to the target's alone, its guesses (same weights) almost all
+    accepted."""
+    _, target = tiny_model("llama-gqa")
+    _, draft = tiny_model("llama-gqa", **FLOAT16)
+    prompts = [np.random.default_rng(3).integers(0, 256, 30).tolist()]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    base = LLM(target, num_kv_blocks=32, verify_checksums=False).generate(prompts, params)[0].outputs[0].token_ids
+    llm = LLM(target, num_kv_blocks=32, verify_checksums=False, speculative_config={
+        "method": "draft_model", "draft_engine": draft, "num_speculative_tokens": 3})
+    assert llm.generate(prompts, params)[0].outputs[0].token_ids == base
+    assert llm.engine.proposer.runner.key_cache.dtype == np.float16
+    assert llm.engine.runner.key_cache.dtype == np.float32
+    assert llm.engine.stats()["spec_acceptance_rate"] > 0.9
+
+
+def test_bad_kv_cache_dtypes_are_refused_before_any_work(tmp_path):
+    """An unknown type (argparse, the build function), and float16 for the TensorRT backends
+    (their pools follow --dtype): refused before TensorRT is needed or anything is written."""
+    from builder.build import BuildConfig, build_engine
+    from builder.cli import add_arguments
+    from builder.compile_tensorrt import ProfileLimits, compile_engine
+    from trtllm_lite.runners.tensorrt_runner import TensorRTRunner
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    with pytest.raises(argparse.ArgumentError, match="--kv-cache-dtype.*'bfloat16'"):
+        parser.parse_args(["--model", "m", "--output", "o", "--kv-cache-dtype", "bfloat16"])
+    assert parser.parse_args(["--model", "m", "--output", "o"]).kv_cache_dtype == "float32"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of float32 or float16"):
+        build_engine("no-such-model", str(tmp_path / "e"), BuildConfig(kv_cache_dtype="bfloat16"))
+    for backend, dtype in (("tensorrt", "float16"), ("tensorrt-rtx", "float32")):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype 'float16'.*{backend} backend"):
+            build_engine("no-such-model", str(tmp_path / "e"),
+                         BuildConfig(backend=backend, dtype=dtype, kv_cache_dtype="float16"))
+        with pytest.raises(ValueError, match="kv_cache_dtype 'float16'"):
+            compile_engine(str(tmp_path / "e"), backend, dtype, ProfileLimits(4, 16, 64, 4), (2, 16), 2,
+                           kv_cache_dtype="float16")
+    assert not (tmp_path / "e").exists()
+    manifest = {"build": {"backend": "tensorrt", "dtype": "float16", "kv_cache_dtype": "float16", "block_size": 4},
+                "tensorrt": {"max_num_blocks": 8}}
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float16'.*tensorrt backend"):
+        TensorRTRunner(EngineDir(str(tmp_path), manifest), 4)
