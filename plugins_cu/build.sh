@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Build the trtllm-lite CUDA kernels into one shared library with nvcc.
 #
-#   plugins_cu/build.sh [--arch "80 89 90"] [--out DIR] [--compile-only] [--jobs N]
+#   plugins_cu/build.sh [--arch "80 89 90"] [--out DIR] [--compile-only [--ptx-only]] [--jobs N]
 #   plugins_cu/build.sh --emulation [--asan] [--out DIR]
 #
 # Output: DIR/libtrtllm_lite_kernels.so (default DIR: plugins_cu/build), C ABI in
 # plugins_cu/include/trtllm_lite_kernels.h, CUDA runtime linked statically. Machine code (SASS) for
 # each listed architecture plus PTX for the highest, so newer GPUs can JIT it.
-# --compile-only stops after the object files (what CI checks on a machine without a GPU).
+# --compile-only stops after the object files (what CI checks on a machine without a GPU);
+# --ptx-only (with it) embeds PTX alone, skipping ptxas's machine code (~half of the time: the
+# C++ and CUDA front end and NVVM still check every source).
 # --emulation builds DIR/libtrtllm_lite_kernels_emu.so instead: the same sources compiled by the
 # host C++ compiler (CXX, default g++) against plugins_cu/emulation, a CPU model of the CUDA
 # execution model with the same C ABI, for checking the kernels without a GPU; --asan adds
@@ -20,6 +22,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ARCHS="${TL_CUDA_ARCHS:-80 89 90}"
 OUT_DIR="$HERE/build"
 COMPILE_ONLY=0
+PTX_ONLY=0
 EMULATION=0
 ASAN=0
 JOBS="$(nproc 2>/dev/null || echo 2)"
@@ -30,10 +33,11 @@ while [[ $# -gt 0 ]]; do
     --arch) ARCHS="$2"; shift 2 ;;
     --out) OUT_DIR="$2"; shift 2 ;;
     --compile-only) COMPILE_ONLY=1; shift ;;
+    --ptx-only) PTX_ONLY=1; shift ;;
     --emulation) EMULATION=1; shift ;;
     --asan) ASAN=1; shift ;;
     --jobs) JOBS="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "build.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -67,10 +71,11 @@ fi
 command -v "$NVCC" >/dev/null || { echo "build.sh: nvcc not found (set NVCC)" >&2; exit 1; }
 mkdir -p "$OUT_DIR/obj"
 
+(( PTX_ONLY && ! COMPILE_ONLY )) && { echo "build.sh: --ptx-only goes with --compile-only" >&2; exit 2; }
 GENCODE=()
 HIGHEST=0
 for a in $ARCHS; do
-  GENCODE+=("-gencode=arch=compute_${a},code=sm_${a}")
+  (( PTX_ONLY )) || GENCODE+=("-gencode=arch=compute_${a},code=sm_${a}")
   (( a > HIGHEST )) && HIGHEST=$a
 done
 GENCODE+=("-gencode=arch=compute_${HIGHEST},code=compute_${HIGHEST}")
