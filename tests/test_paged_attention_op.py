@@ -21,12 +21,14 @@ def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_
     """One PagedAttention node; ``metadata``: fed by the metadata nodes written once in the
     graph (the engines' form) instead of the self-contained body; ``decode_path``: with the
     ONNX Runtime engines' decode path (taken when every sequence has one new token);
-    ``pool_type``: the KV pools' element type (``TensorProto.FLOAT`` or ``FLOAT16``)."""
+    ``pool_type``: the KV pools' element type (``TensorProto.FLOAT`` or ``FLOAT16``), or a
+    (key_cache, value_cache) pair of types."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    key_type, value_type = pool_type if isinstance(pool_type, tuple) else (pool_type, pool_type)
     dims = {"query": (f32, ["T", num_heads, head_dim]), "key": (f32, ["T", num_kv_heads, head_dim]),
             "value": (f32, ["T", num_kv_heads, head_dim]),
-            "key_cache": (pool_type, ["N", "B", num_kv_heads, head_dim]),
-            "value_cache": (pool_type, ["N", "B", num_kv_heads, head_dim]),
+            "key_cache": (key_type, ["N", "B", num_kv_heads, head_dim]),
+            "value_cache": (value_type, ["N", "B", num_kv_heads, head_dim]),
             "slot_mapping": (i64, ["T"]), "block_tables": (i64, ["S", "M"]),
             "context_lens": (i64, ["S"]), "query_start_loc": (i64, ["S1"])}
     inputs = [helper.make_tensor_value_info(n, *dims[n]) for n in INPUT_NAMES]
@@ -295,6 +297,21 @@ def test_kernel_rejects_bad_inputs(kernel_library, field, value, message, qlens)
                                      good["value_cache"], good["block_tables"], good["context_lens"],
                                      good["query_start_loc"], 64 ** -0.5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key_type,value_type", [(np.float16, np.float32), (np.float64, np.float64)],
+                         ids=["mixed", "float64"])
+def test_kernel_rejects_pools_of_other_types(kernel_library, key_type, value_type):
+    """Pools must be both float32 or both float16: anything else is an INVALID_ARGUMENT naming
+    key_cache / value_cache (the op's schema takes any type there), before anything is read."""
+    proto = {np.float16: TensorProto.FLOAT16, np.float32: TensorProto.FLOAT, np.float64: TensorProto.DOUBLE}
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(kernel_library)
+    sess = single_op_session(9, 3, 64, session_options=so, pool_type=(proto[key_type], proto[value_type]))
+    step = random_step(np.random.default_rng(4), [40, 7], [1, 3], 9, 3, 64, 16)
+    step["key_cache"], step["value_cache"] = step["key_cache"].astype(key_type), step["value_cache"].astype(value_type)
+    with pytest.raises(Exception, match="key_cache / value_cache must both be float32 or both float16"):
+        sess.run(None, step)
 
 
 def test_kernels_fall_back_to_function_bodies_without_a_compiler(monkeypatch, tmp_path):
