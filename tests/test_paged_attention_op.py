@@ -47,8 +47,10 @@ def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_
                                                     helper.make_opsetid(DOMAIN, 1)],
                               functions=make_onnx_functions(
                                   heads=(num_heads, num_kv_heads, head_dim) if metadata else None,
-                                  decode_path=decode_path))
-    onnx.checker.check_model(model, full_check=pool_type == TensorProto.FLOAT)   # TODO(s18): body casts
+                                  decode_path=decode_path,
+                                  kv_cache_dtype="float16" if key_type == TensorProto.FLOAT16 else "float32"))
+    # (pools the body cannot type: the kernel's own type check is what a test of them checks)
+    onnx.checker.check_model(model, full_check=key_type == value_type != TensorProto.DOUBLE)
     return ort.InferenceSession(model.SerializeToString(), session_options,
                                 providers=["CPUExecutionProvider"])
 
@@ -102,18 +104,22 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("pool", ["float32", "float16"])
 @pytest.mark.parametrize("metadata,decode_path", [(False, False), (True, False), (True, True)],
                          ids=["self-contained", "metadata-inputs", "decode-path"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", CASES)
 def test_function_body_matches_reference(heads, kv_heads, head_dim, block_size, ctx, qlens, metadata,
-                                         decode_path):
+                                         decode_path, pool):
     """Every body against the reference; with ``decode_path`` the all-decode cases run a
     decode branch (ragged when padding to the longest context would waste a quarter of the
     blocks, else padded), the one-sequence ones GroupQueryAttention and the others the
-    general body."""
+    general body; float16 pools (``--kv-cache-dtype float16``) against the reference over the
+    same float16 values."""
     rng = np.random.default_rng(0)
     step = random_step(rng, ctx, qlens, heads, kv_heads, head_dim, block_size)
-    sess = single_op_session(heads, kv_heads, head_dim, metadata, decode_path)
+    step["key_cache"], step["value_cache"] = step["key_cache"].astype(pool), step["value_cache"].astype(pool)
+    sess = single_op_session(heads, kv_heads, head_dim, metadata, decode_path,
+                             pool_type=TensorProto.FLOAT16 if pool == "float16" else TensorProto.FLOAT)
     (got,) = sess.run(None, step)
     want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
                                      step["value_cache"], step["block_tables"], step["context_lens"],
