@@ -12,7 +12,10 @@ Schema (domain ``trtllm_lite``, version 1)::
       3 key_cache        [num_blocks, block_size, num_kv_heads, head_dim]   float  this layer's K pool
       4 value_cache      [num_blocks, block_size, num_kv_heads, head_dim]   float  this layer's V pool
                          (pools: float32 or float16, build's kv_cache_dtype; the op reads
-                         float16 rows as float32, and computes in float32)
+                         float16 rows as float32, and computes in float32; with float16
+                         pools it attends the step's new K/V rounded to float16 too, as
+                         vLLM's kernels read them back from the cache, so a sequence's
+                         output does not depend on how its prompt was chunked or cached)
       5 slot_mapping     [num_tokens]                     int64  flat pool slot of each new token
       6 block_tables     [num_seqs, max_blocks_per_seq]   int64  logical -> physical block
       7 context_lens     [num_seqs]                       int64  tokens already cached before the step
@@ -107,10 +110,13 @@ def reference_paged_attention(query: np.ndarray, key: np.ndarray, value: np.ndar
                               query_start_loc: np.ndarray, scale: float) -> np.ndarray:
     """Plain float64 numpy reference of the op (no writes to the pools).
 
-    Shapes as in the module docstring (pools float32 or float16, read as float64). Returns
-    ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype. Loops over sequences; meant
-    for tests, not speed.
+    Shapes as in the module docstring (pools float32 or float16, read as float64; with
+    float16 pools the step's new K/V are rounded to float16 first, as the op attends them: what
+    the pool will hold). Returns ``[num_tokens, num_heads, head_dim]`` in ``query``'s dtype.
+    Loops over sequences; meant for tests, not speed.
     """
+    if key_cache.dtype == np.float16:
+        key, value = key.astype(np.float16), value.astype(np.float16)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
@@ -555,13 +561,15 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
     Raises:
         ValueError: an unknown ``kv_cache_dtype``.
     """
-    from onnx import AttributeProto, helper
+    from onnx import AttributeProto, TensorProto, helper
 
     from .onnx_graph import MS_DOMAIN, OPSET, NodeWriter
 
     cast = _cast_cache(kv_cache_dtype)
     w = NodeWriter("pa_")
     q, k, v, kc, vc, _slots, bt, ctx, qsl = INPUT_NAMES
+    if cast:   # float16 pools: the step's own K/V attended as the pool will hold them
+        k, v = (w.op("Cast", w.op("Cast", x, to=TensorProto.FLOAT16), to=TensorProto.FLOAT) for x in (k, v))
     if heads is None:
         inputs = list(INPUT_NAMES)
         kv_heads = w.op("Shape", k, start=1, end=2)
@@ -585,7 +593,8 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
         # head_dim % 8 == 0), else the general body
         general, decode = NodeWriter("pa_gen_"), NodeWriter("pa_dcall_")
         _write_attention(general, q, k, v, kc, vc, metadata, dims, scale, "pa_gen_output", cast)
-        decode.op(DECODE_OP_TYPE, *DECODE_INPUT_NAMES, domain=DOMAIN, outputs=["pa_dcall_output"])
+        decode_inputs = [{"key": k, "value": v}.get(name, name) for name in DECODE_INPUT_NAMES]
+        decode.op(DECODE_OP_TYPE, *decode_inputs, domain=DOMAIN, outputs=["pa_dcall_output"])
         decode.nodes[-1].attribute.append(AttributeProto(name="scale", ref_attr_name="scale",
                                                          type=AttributeProto.FLOAT))
         prefill, prefill_out = general, "pa_gen_output"

@@ -55,6 +55,26 @@ inline float to_float(uint16_t h) {
 #endif
 }
 
+// x rounded to the nearest float16 (ties to even), as float: what a float16 pool will hold.
+inline float round_to_half(float x) {
+#ifdef __F16C__
+  return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint32_t sign = bits & 0x80000000u, a = bits ^ sign;
+  if (a >= 0x7f800000u) return x;                                  // inf, NaN
+  if (a >= 0x477ff000u) return sign ? -INFINITY : INFINITY;        // >= 65520: past float16's range
+  if (a < 0x38800000u)                                             // below 2^-14: float16 subnormals
+    return std::copysign(std::nearbyint(std::fabs(x) * 16777216.0f) / 16777216.0f, x);   // steps of 2^-24
+  uint32_t r = a + 0x0fffu + ((a >> 13) & 1u);                     // 10 mantissa bits, ties to even
+  r = (r & ~0x1fffu) | sign;
+  float out;
+  std::memcpy(&out, &r, 4);
+  return out;
+#endif
+}
+
 #ifdef TRTLLM_LITE_AVX2
 inline __m256 load_ps8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_ps8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -1004,7 +1024,18 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     const uint16_t *key_cache, *value_cache;
     RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
     RETURN_IF_ERROR(data_of(t[4].value, &value_cache));
-    return run_step(context, args, key_cache, value_cache);
+    // the step's new K/V attended as the pool will hold them (the runtime stores them rounded
+    // to float16 after the step), so a sequence's output does not depend on how its prompt was
+    // chunked or prefix-cached; vLLM's kernels read them back from the cache alike
+    thread_local std::vector<float> rounded;
+    const size_t n = static_cast<size_t>(T * Hkv * D);
+    rounded.resize(2 * n);
+    for (size_t i = 0; i < n; ++i) rounded[i] = round_to_half(key[i]);
+    for (size_t i = 0; i < n; ++i) rounded[n + i] = round_to_half(value[i]);
+    StepArgs half_args = args;
+    half_args.key = rounded.data();
+    half_args.value = rounded.data() + n;
+    return run_step(context, half_args, key_cache, value_cache);
   }
   const float *key_cache, *value_cache;
   RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
