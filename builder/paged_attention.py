@@ -14,8 +14,8 @@ Schema (domain ``trtllm_lite``, version 1)::
                          (pools: float32 or float16, build's kv_cache_dtype; the op reads
                          float16 rows as float32, and computes in float32; with float16
                          pools it attends the step's new K/V rounded to float16 too, as
-                         vLLM's kernels read them back from the cache, so a sequence's
-                         output does not depend on how its prompt was chunked or cached)
+                         vLLM's kernels read them back from the cache, so it attends the
+                         same values however a prompt was chunked or cached)
       5 slot_mapping     [num_tokens]                     int64  flat pool slot of each new token
       6 block_tables     [num_seqs, max_blocks_per_seq]   int64  logical -> physical block
       7 context_lens     [num_seqs]                       int64  tokens already cached before the step

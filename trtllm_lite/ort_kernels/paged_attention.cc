@@ -1025,8 +1025,8 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
     RETURN_IF_ERROR(data_of(t[4].value, &value_cache));
     // the step's new K/V attended as the pool will hold them (the runtime stores them rounded
-    // to float16 after the step), so a sequence's output does not depend on how its prompt was
-    // chunked or prefix-cached; vLLM's kernels read them back from the cache alike
+    // to float16 after the step), so the same values are attended however a prompt was chunked
+    // or prefix-cached; vLLM's kernels read them back from the cache alike
     thread_local std::vector<float> rounded;
     const size_t n = static_cast<size_t>(T * Hkv * D);
     rounded.resize(2 * n);
