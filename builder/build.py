@@ -61,17 +61,18 @@ class BuildConfig:
         ``max_position_embeddings``; ``None`` before the model is loaded) bounds ``max_seq_len``."""
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend {self.backend!r} is not built here; choose from {BACKENDS}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: kv_cache_dtype must be one of "
+                             f"{' or '.join(KV_CACHE_DTYPES)}")
+        if self.backend in KV_WRITE:   # (before --dtype: the KV cache option is the one to drop)
+            check_kv_cache_dtype(self.backend, self.kv_cache_dtype)
         if self.dtype not in DTYPES[self.backend]:
             raise ValueError(f"--dtype {self.dtype!r}: the {self.backend} backend builds "
                              f"{' or '.join(DTYPES[self.backend])}")
         if self.backend in KV_WRITE and self.quantization != "none":
             raise ValueError(f"--quantization {self.quantization!r}: the {self.backend} backend "
                              "builds unquantized weights (MatMulNBits is ONNX Runtime's op)")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: kv_cache_dtype must be one of "
-                             f"{' or '.join(KV_CACHE_DTYPES)}")
         if self.backend in KV_WRITE:
-            check_kv_cache_dtype(self.backend, self.kv_cache_dtype)
             import_tensorrt(self.backend)  # fail before exporting when the package is missing
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
             if getattr(self, name) < 1:

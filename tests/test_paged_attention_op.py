@@ -222,7 +222,8 @@ def test_kernel_reads_float16_pools(kernel_library, heads, kv_heads, head_dim, b
     """float16 KV pools (an engine built with ``--kv-cache-dtype float16``): every path (decode
     items, context chunks, tiles, mixed steps; vector and portable loops) converts each pooled
     value exactly, so the output matches the float64 reference over the same float16 values as
-    closely as float32 pools do; the step's own new K/V stay float32."""
+    closely as float32 pools do; the step's own new K/V are attended rounded to float16 (the
+    reference rounds them too)."""
     step = random_step(np.random.default_rng(3), ctx, qlens, heads, kv_heads, head_dim, block_size)
     step["key_cache"] = step["key_cache"].astype(np.float16)
     step["value_cache"] = step["value_cache"].astype(np.float16)
