@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trtllm_lite.engine_dir import KV_CACHE_DTYPES
+from trtllm_lite.engine_dir import FLOAT16_MAX, KV_CACHE_DTYPES
 
 DOMAIN = "trtllm_lite"
 OP_TYPE = "PagedAttention"
@@ -89,6 +89,12 @@ def _gather_blocks(w, cache: str, block_ids: str, cast: bool) -> str:
     return w.op("Cast", gathered, to=TensorProto.FLOAT) if cast else gathered
 
 
+def to_float16_saturated(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to float16 (nearest, ties to even) as a float16 pool stores K/V: values
+    past float16's range saturate at +-65504 instead of becoming inf (NaN stays NaN)."""
+    return np.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(np.float16)
+
+
 def write_kv_reference(key_cache: np.ndarray, value_cache: np.ndarray, key: np.ndarray,
                        value: np.ndarray, slot_mapping: np.ndarray) -> None:
     """Store new K/V in the pools in place (the paged KV write).
@@ -116,7 +122,7 @@ def reference_paged_attention(query: np.ndarray, key: np.ndarray, value: np.ndar
     Loops over sequences; meant for tests, not speed.
     """
     if key_cache.dtype == np.float16:
-        key, value = key.astype(np.float16), value.astype(np.float16)
+        key, value = (to_float16_saturated(x) for x in (key, value))
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
@@ -568,8 +574,10 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
     cast = _cast_cache(kv_cache_dtype)
     w = NodeWriter("pa_")
     q, k, v, kc, vc, _slots, bt, ctx, qsl = INPUT_NAMES
-    if cast:   # float16 pools: the step's own K/V attended as the pool will hold them
-        k, v = (w.op("Cast", w.op("Cast", x, to=TensorProto.FLOAT16), to=TensorProto.FLOAT) for x in (k, v))
+    if cast:   # float16 pools: the step's own K/V attended as the pool will hold them (saturated)
+        low, high = w.const(-FLOAT16_MAX, np.float32), w.const(FLOAT16_MAX, np.float32)
+        k, v = (w.op("Cast", w.op("Cast", w.op("Clip", x, low, high), to=TensorProto.FLOAT16), to=TensorProto.FLOAT)
+                for x in (k, v))
     if heads is None:
         inputs = list(INPUT_NAMES)
         kv_heads = w.op("Shape", k, start=1, end=2)

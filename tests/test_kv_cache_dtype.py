@@ -126,6 +126,22 @@ def test_float16_kv_cache_logits_match_hf_within_its_rounding(tiny_model, path, 
     np.testing.assert_allclose(rest, whole[9:], atol=1e-5, rtol=1e-5)
 
 
+def test_float16_pools_store_values_past_their_range_saturated(tiny_model):
+    """K/V past float16's range are stored as +-65504, never inf (QA 18: an inf in the pool made
+    a request's logits NaN, and it generated token 0 to max_tokens); within range, rounded to
+    nearest even as numpy does."""
+    _, engine16 = tiny_model("llama-gqa", **FLOAT16)
+    runner = OnnxRuntimeRunner(load_engine_dir(engine16, verify_checksums=False), 8)
+    shape = (runner.num_layers, 3) + runner.kv_shape[3:]
+    new = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    new[0, 0, 0, :3] = [1.0e5, -7.0e4, 65519.0]
+    runner._store_kv(np.array([0, 5, 9]), new, -new)
+    flat = runner.key_cache.reshape((runner.num_layers, -1) + runner.kv_shape[3:])
+    assert flat[0, 0, 0, :3].tolist() == [65504.0, -65504.0, 65504.0]
+    assert np.isfinite(runner.value_cache).all()
+    np.testing.assert_array_equal(flat[:, [0, 5, 9]][:, 1:], new[:, 1:].astype(np.float16))
+
+
 def pool_casts(model: onnx.ModelProto) -> int:
     """Cast nodes on what a Gather read from a pool, in the attention functions and their
     ``If`` branches."""

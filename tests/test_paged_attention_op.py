@@ -306,6 +306,30 @@ def test_kernel_rejects_bad_inputs(kernel_library, field, value, message, qlens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qlens", [[1, 1, 1], [1, 9, 1]], ids=["decode", "mixed"])
+def test_float16_pools_saturate_new_kv_past_float16s_range(op_library, qlens):
+    """New K/V past float16's range (|x| > 65504) on float16 pools: attended saturated at
+    +-65504, as the runtime stores them, never as inf (inf keys made NaN rows; QA 18): the
+    kernel (every build) and the function body, finite and equal to the saturating reference."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    step = random_step(np.random.default_rng(6), [40, 7, 20], qlens, heads, kv_heads, head_dim, 16)
+    step["key_cache"], step["value_cache"] = step["key_cache"].astype(np.float16), step["value_cache"].astype(np.float16)
+    step["key"][0, 0, :4] = [7.0e4, -1.0e5, 65519.0, 3.0e38]
+    step["value"][-1, 1, :3] = [-7.0e4, 1.0e6, 65520.0]
+    step["query"] *= 1e-4   # scores stay in exp's range (the point is the saturation)
+    so = None
+    if op_library is not None:
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(op_library)
+    sess = single_op_session(heads, kv_heads, head_dim, session_options=so, pool_type=TensorProto.FLOAT16)
+    (got,) = sess.run(None, step)
+    want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
+                                     step["value_cache"], step["block_tables"], step["context_lens"],
+                                     step["query_start_loc"], head_dim ** -0.5)
+    assert np.isfinite(got).all() and np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * 65504)
+
+
 @pytest.mark.parametrize("key_type,value_type", [(np.float16, np.float32), (np.float64, np.float64)],
                          ids=["mixed", "float64"])
 def test_kernel_rejects_pools_of_other_types(kernel_library, key_type, value_type):

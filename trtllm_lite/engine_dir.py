@@ -20,6 +20,7 @@ from dataclasses import dataclass
 ENGINE_FORMAT_VERSION = 1
 MANIFEST = "engine.json"
 KV_CACHE_DTYPES = ("float32", "float16")   # build["kv_cache_dtype"] (absent: float32)
+FLOAT16_MAX = 65504.0   # float16's largest finite value: float16 pools store K/V saturated at +-it
 
 
 class EngineError(ValueError):

@@ -56,7 +56,10 @@ inline float to_float(uint16_t h) {
 }
 
 // x rounded to the nearest float16 (ties to even), as float: what a float16 pool will hold.
+// Past float16's range it saturates at +-65504 (the runtime's store clips alike), never inf.
+constexpr float kHalfMax = 65504.0f;
 inline float round_to_half(float x) {
+  x = std::min(std::max(x, -kHalfMax), kHalfMax);   // (NaN stays NaN)
 #ifdef __F16C__
   return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else

@@ -26,7 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .. import ort_kernels
-from ..engine_dir import EngineDir
+from ..engine_dir import FLOAT16_MAX, EngineDir
 from .base import ScheduledSeq, StepBatch, StepInputs, build_step_inputs, group_by_query_length
 
 _INPUT_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
@@ -317,8 +317,11 @@ class OnnxRuntimeRunner:
 
     def _store_kv(self, slot_mapping: np.ndarray, new_keys: np.ndarray, new_values: np.ndarray) -> None:
         """Paged KV write: ``pool[layer, slot] = new[layer, token]`` for the step's tokens, one
-        scatter per pool (numpy rounds float32 to float16 pools' type, nearest even)."""
+        scatter per pool (numpy rounds float32 to float16 pools' type, nearest even; values past
+        float16's range saturate at +-65504)."""
         flat = (self.num_layers, -1) + self.kv_shape[3:]
+        if self.kv_dtype == np.float16:   # saturate past float16's range (never inf), as the kernel reads them
+            new_keys, new_values = (np.clip(x, -FLOAT16_MAX, FLOAT16_MAX) for x in (new_keys, new_values))
         self.key_cache.reshape(flat)[:, slot_mapping] = new_keys
         self.value_cache.reshape(flat)[:, slot_mapping] = new_values
 
