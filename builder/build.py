@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import onnx
 
-from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, KV_CACHE_DTYPES, MANIFEST, sha256_file
+from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST, check_kv_cache_dtype_name, sha256_file
 
 from .export_onnx import export_graphs
 from .draft import keep_first_layers
@@ -61,9 +61,10 @@ class BuildConfig:
         ``max_position_embeddings``; ``None`` before the model is loaded) bounds ``max_seq_len``."""
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend {self.backend!r} is not built here; choose from {BACKENDS}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: kv_cache_dtype must be one of "
-                             f"{' or '.join(KV_CACHE_DTYPES)}")
+        try:
+            check_kv_cache_dtype_name(self.kv_cache_dtype)
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-dtype: {e}") from None
         if self.backend in KV_WRITE:   # (before --dtype: the KV cache option is the one to drop)
             check_kv_cache_dtype(self.backend, self.kv_cache_dtype)
         if self.dtype not in DTYPES[self.backend]:

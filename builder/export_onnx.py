@@ -36,7 +36,7 @@ from .fused_ops import (OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANT
                         QUANTIZED_LINEAR_SPLIT8_OP_TYPE, ROTARY_OP_TYPE,
                         SILU_OP_TYPE, make_offsets_function, make_quantized_linear_functions, make_rotary_function,
                         make_silu_function)
-from .paged_attention import (DOMAIN, KV_CACHE_DTYPES, OP_TYPE, make_onnx_function, make_onnx_functions,
+from .paged_attention import (DOMAIN, OP_TYPE, check_kv_cache_dtype_name, make_onnx_function, make_onnx_functions,
                               write_attention_metadata)
 from .quantize import QuantizedLinear, pack_codes
 
@@ -98,8 +98,7 @@ class DecoderGraphWriter:
                  kv_write: str = "runtime", ort_ops: bool = False, kv_cache_dtype: str = "float32"):
         if kv_write not in KV_WRITES:
             raise ValueError(f"kv_write must be one of {KV_WRITES}, got {kv_write!r}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        check_kv_cache_dtype_name(kv_cache_dtype)
         if kv_cache_dtype != "float32" and kv_write == "in_op":
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the in-op KV write graph (TensorRT) is "
                              "exported with float32 pools; a TensorRT engine's pools take its --dtype "

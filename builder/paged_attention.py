@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trtllm_lite.engine_dir import FLOAT16_MAX, KV_CACHE_DTYPES
+from trtllm_lite.engine_dir import FLOAT16_MAX, check_kv_cache_dtype_name, clip_to_float16_range
 
 DOMAIN = "trtllm_lite"
 OP_TYPE = "PagedAttention"
@@ -74,9 +74,7 @@ def _cast_cache(kv_cache_dtype: str) -> bool:
     Raises:
         ValueError: ``kv_cache_dtype`` is not in :data:`KV_CACHE_DTYPES`.
     """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    return kv_cache_dtype == "float16"
+    return check_kv_cache_dtype_name(kv_cache_dtype) == "float16"
 
 
 def _gather_blocks(w, cache: str, block_ids: str, cast: bool) -> str:
@@ -92,7 +90,7 @@ def _gather_blocks(w, cache: str, block_ids: str, cast: bool) -> str:
 def to_float16_saturated(x: np.ndarray) -> np.ndarray:
     """``x`` rounded to float16 (nearest, ties to even) as a float16 pool stores K/V: values
     past float16's range saturate at +-65504 instead of becoming inf (NaN stays NaN)."""
-    return np.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(np.float16)
+    return clip_to_float16_range(x).astype(np.float16)
 
 
 def write_kv_reference(key_cache: np.ndarray, value_cache: np.ndarray, key: np.ndarray,
@@ -101,11 +99,14 @@ def write_kv_reference(key_cache: np.ndarray, value_cache: np.ndarray, key: np.n
 
     Args:
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, float32
-            or float16 (build's kv_cache_dtype: numpy rounds float32 K/V to nearest even).
+            or float16 (build's kv_cache_dtype: K/V stored as the runtime stores them, rounded
+            to nearest even and saturated at +-65504: :func:`to_float16_saturated`).
         key, value: ``[num_tokens, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]`` int, flat slot ``block * block_size + offset``.
     """
     nb, bs, hkv, d = key_cache.shape
+    if key_cache.dtype == np.float16:
+        key, value = to_float16_saturated(key), to_float16_saturated(value)
     key_cache.reshape(nb * bs, hkv, d)[slot_mapping] = key
     value_cache.reshape(nb * bs, hkv, d)[slot_mapping] = value
 

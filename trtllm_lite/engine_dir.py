@@ -23,6 +23,25 @@ KV_CACHE_DTYPES = ("float32", "float16")   # build["kv_cache_dtype"] (absent: fl
 FLOAT16_MAX = 65504.0   # float16's largest finite value: float16 pools store K/V saturated at +-it
 
 
+def check_kv_cache_dtype_name(kv_cache_dtype: str) -> str:
+    """``kv_cache_dtype`` itself when it is one of :data:`KV_CACHE_DTYPES`.
+
+    Raises:
+        ValueError: it is not (the message names kv_cache_dtype and the choices).
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported: kv_cache_dtype must be one of "
+                         f"{' or '.join(KV_CACHE_DTYPES)}")
+    return kv_cache_dtype
+
+
+def clip_to_float16_range(x):
+    """A numpy array's values clipped to float16's finite range (+-:data:`FLOAT16_MAX`; NaN
+    stays NaN): what a float16 pool stores for K/V past that range, never inf. Same shape and
+    dtype (float32 K/V, rounded to float16 as they are assigned into a pool)."""
+    return x.clip(-FLOAT16_MAX, FLOAT16_MAX)
+
+
 class EngineError(ValueError):
     """The engine directory is missing, from another format version, or fails its checksums."""
 
@@ -101,10 +120,10 @@ def load_engine_dir(path: str, verify_checksums: bool = True,
     backend = manifest.get("build", {}).get("backend")
     if expected_backend is not None and backend != expected_backend:
         raise EngineError(f"engine {path!r} was built for backend {backend!r}, not {expected_backend!r}")
-    kv_cache_dtype = manifest.get("build", {}).get("kv_cache_dtype", "float32")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise EngineError(f"engine {path!r} has kv_cache_dtype {kv_cache_dtype!r}; this runtime reads "
-                          f"KV caches of {' or '.join(KV_CACHE_DTYPES)}: rebuild it with --kv-cache-dtype")
+    try:
+        check_kv_cache_dtype_name(manifest.get("build", {}).get("kv_cache_dtype", "float32"))
+    except ValueError as e:
+        raise EngineError(f"engine {path!r}: {e}; rebuild it with --kv-cache-dtype") from None
     for name, digest in manifest.get("files", {}).items():
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):

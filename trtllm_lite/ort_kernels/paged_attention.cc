@@ -66,8 +66,7 @@ inline float round_to_half(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
   const uint32_t sign = bits & 0x80000000u, a = bits ^ sign;
-  if (a >= 0x7f800000u) return x;                                  // inf, NaN
-  if (a >= 0x477ff000u) return sign ? -INFINITY : INFINITY;        // >= 65520: past float16's range
+  if (a >= 0x7f800000u) return x;                                  // NaN (inf was clamped above)
   if (a < 0x38800000u)                                             // below 2^-14: float16 subnormals
     return std::copysign(std::nearbyint(std::fabs(x) * 16777216.0f) / 16777216.0f, x);   // steps of 2^-24
   uint32_t r = a + 0x0fffu + ((a >> 13) & 1u);                     // 10 mantissa bits, ties to even

@@ -26,7 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .. import ort_kernels
-from ..engine_dir import FLOAT16_MAX, EngineDir
+from ..engine_dir import EngineDir, clip_to_float16_range
 from .base import ScheduledSeq, StepBatch, StepInputs, build_step_inputs, group_by_query_length
 
 _INPUT_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
@@ -321,7 +321,7 @@ class OnnxRuntimeRunner:
         float16's range saturate at +-65504)."""
         flat = (self.num_layers, -1) + self.kv_shape[3:]
         if self.kv_dtype == np.float16:   # saturate past float16's range (never inf), as the kernel reads them
-            new_keys, new_values = (np.clip(x, -FLOAT16_MAX, FLOAT16_MAX) for x in (new_keys, new_values))
+            new_keys, new_values = clip_to_float16_range(new_keys), clip_to_float16_range(new_values)
         self.key_cache.reshape(flat)[:, slot_mapping] = new_keys
         self.value_cache.reshape(flat)[:, slot_mapping] = new_values
 
