@@ -70,8 +70,14 @@ def resolve_model_path(model: str) -> str:
         return model
     if os.path.isdir(model) and os.path.exists(os.path.join(model, "config.json")):
         return model
+    if os.path.isdir(model):
+        problem = "is a directory without config.json"
+    elif os.path.isfile(model):
+        problem = "is a file but not a .gguf file"
+    else:
+        problem = "no such file or directory, and not a known model name"
     raise FileNotFoundError(
-        f"unknown --model {model!r}: expected one of {sorted(KNOWN_MODELS)}, a .gguf file, "
+        f"--model {model!r}: {problem}; expected one of {sorted(KNOWN_MODELS)}, a .gguf file, "
         "or a Hugging Face directory with config.json and *.safetensors")
 
 

@@ -134,8 +134,14 @@ def test_checksum_mismatch_names_the_file(smollm2_engine, tmp_path):
 def test_unknown_model_is_a_clear_error(tmp_path):
     from builder.build import build_engine
 
-    with pytest.raises(FileNotFoundError, match="unknown --model 'no-such-model'"):
+    with pytest.raises(FileNotFoundError, match="--model 'no-such-model': no such file or directory"):
         build_engine("no-such-model", str(tmp_path / "e"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="is a directory without config.json"):
+        build_engine(str(tmp_path / "empty"), str(tmp_path / "e"))
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(FileNotFoundError, match="is a file but not a .gguf file"):
+        build_engine(str(tmp_path / "weights.bin"), str(tmp_path / "e"))
 
 
 def test_unsupported_architecture_and_missing_tensor(tmp_path):
