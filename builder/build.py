@@ -66,7 +66,7 @@ class BuildConfig:
         except ValueError as e:
             raise ValueError(f"--kv-cache-dtype: {e}") from None
         if self.backend in KV_WRITE:   # (before --dtype: the KV cache option is the one to drop)
-            check_kv_cache_dtype(self.backend, self.kv_cache_dtype)
+            check_kv_cache_dtype(self.backend, self.kv_cache_dtype, self.dtype)
         if self.dtype not in DTYPES[self.backend]:
             raise ValueError(f"--dtype {self.dtype!r}: the {self.backend} backend builds "
                              f"{' or '.join(DTYPES[self.backend])}")
@@ -114,12 +114,13 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     """Build an engine directory from ``model`` (short name, GGUF file or HF directory).
 
     ``build_config.kv_cache_dtype`` (``"float32"``, the default, or ``"float16"``) is the KV
-    pools' type, recorded in the manifest as ``build["kv_cache_dtype"]``.
+    pools' type, recorded in the manifest as ``build["kv_cache_dtype"]``; on the TensorRT
+    backends the pools take ``dtype`` and ``kv_cache_dtype`` may only be float32 or ``dtype``.
 
     Returns the engine directory. Raises ``FileNotFoundError`` for an unknown model,
     ``UnsupportedModelError`` for an unsupported architecture or missing tensor, and
-    ``ValueError`` for bad build options (an unknown ``kv_cache_dtype``, or float16 for a
-    TensorRT backend, before the model is loaded).
+    ``ValueError`` for bad build options (an unknown ``kv_cache_dtype``, or on a TensorRT
+    backend one other than float32 or ``dtype``, before the model is loaded).
     """
     bc = build_config or BuildConfig()
     bc.validate()   # the options alone, before loading the model (seconds)
@@ -141,7 +142,9 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         bc.quantize_lm_head = ("embed.weight" if cfg.tie_word_embeddings else "lm_head.weight") in quantized
     graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len, quantized, bc.accuracy_level,
                                   KV_WRITE.get(bc.backend, "runtime"),
-                                  ort_ops=bc.backend == "onnxruntime", kv_cache_dtype=bc.kv_cache_dtype)
+                                  ort_ops=bc.backend == "onnxruntime",
+                                  # (TensorRT: the float32 graph's pools become --dtype with the network)
+                                  kv_cache_dtype="float32" if bc.backend in KV_WRITE else bc.kv_cache_dtype)
     _log(f"exported prefill and decode graphs ({len(graphs['decode'].graph.node)} nodes each)")
 
     def progress(done, total):

@@ -238,21 +238,24 @@ def build_plan(graph_path: str, backend: str, dtype: str, limits: ProfileLimits,
     return bytes(plan), section
 
 
-def check_kv_cache_dtype(backend: str, kv_cache_dtype: str) -> None:
-    """Refuse a ``kv_cache_dtype`` other than float32 for the TensorRT backends.
+def check_kv_cache_dtype(backend: str, kv_cache_dtype: str, dtype: str) -> None:
+    """Refuse a ``kv_cache_dtype`` the TensorRT backends' pools do not hold.
 
     Their KV pools take the engine's precision (``--dtype``: the CUDA PagedAttention plugin
     and kernels read pools of the network's type, the in-op KV write stores that type), not a
-    type of their own; ``kv_cache_dtype`` float16 is the onnxruntime backend's option.
+    type of their own. So ``kv_cache_dtype`` may be the default float32 (the pools follow
+    ``dtype``) or ``dtype`` itself (float16 with ``--dtype float16``); a float16 cache under
+    float32 weights is the onnxruntime backend's option.
 
     Raises:
-        ValueError: ``kv_cache_dtype`` is not ``"float32"`` (the message names kv_cache_dtype).
+        ValueError: ``kv_cache_dtype`` is neither float32 nor ``dtype`` (names kv_cache_dtype).
     """
-    if kv_cache_dtype != "float32":
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} (--kv-cache-dtype): the {backend} backend's KV "
-                         f"pools take the engine's precision (--dtype {' or '.join(PRECISIONS[backend])}), "
-                         "which its CUDA PagedAttention kernels read; kv_cache_dtype float16 is built for the "
-                         "onnxruntime backend only")
+    if kv_cache_dtype not in ("float32", dtype):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} (--kv-cache-dtype) with --dtype {dtype!r}: the "
+                         f"{backend} backend's KV pools take the engine's precision (--dtype "
+                         f"{' or '.join(PRECISIONS[backend])}), which its CUDA PagedAttention kernels read; "
+                         f"build with --dtype {kv_cache_dtype}, or use the onnxruntime backend for a "
+                         f"{kv_cache_dtype} cache under {dtype} weights")
 
 
 def compile_engine(output: str, backend: str, dtype: str, limits: ProfileLimits,
@@ -262,12 +265,12 @@ def compile_engine(output: str, backend: str, dtype: str, limits: ProfileLimits,
     manifest section.
 
     Raises:
-        ValueError: ``kv_cache_dtype`` is not float32 (:func:`check_kv_cache_dtype`), before
-            any work and before TensorRT is imported.
+        ValueError: ``kv_cache_dtype`` is neither float32 nor ``dtype``
+            (:func:`check_kv_cache_dtype`), before any work and before TensorRT is imported.
     """
     import onnx
 
-    check_kv_cache_dtype(backend, kv_cache_dtype)
+    check_kv_cache_dtype(backend, kv_cache_dtype, dtype)
     graph = os.path.join(output, "prefill.onnx")
     if dtype != "float32":
         typed = os.path.join(output, f"prefill.{dtype}.onnx")

@@ -223,16 +223,36 @@ def test_bad_kv_cache_dtypes_are_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of float32 or float16"):
         build_engine("no-such-model", str(tmp_path / "e"), BuildConfig(kv_cache_dtype="bfloat16"))
     # (tensorrt with the default --dtype float32, which it does not build: the KV cache option is
-    # the one named, QA 18)
-    for backend, dtype in (("tensorrt", "float16"), ("tensorrt", "float32"), ("tensorrt-rtx", "float32")):
-        with pytest.raises(ValueError, match=f"kv_cache_dtype 'float16'.*{backend} backend"):
+    # the one named, QA 18; the pools follow --dtype, so float16 under bfloat16 or float32 weights
+    # is refused)
+    for backend, dtype in (("tensorrt", "bfloat16"), ("tensorrt", "float32"), ("tensorrt-rtx", "float32")):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype 'float16'.*--dtype '{dtype}'.*{backend} backend"):
             build_engine("no-such-model", str(tmp_path / "e"),
                          BuildConfig(backend=backend, dtype=dtype, kv_cache_dtype="float16"))
         with pytest.raises(ValueError, match="kv_cache_dtype 'float16'"):
             compile_engine(str(tmp_path / "e"), backend, dtype, ProfileLimits(4, 16, 64, 4), (2, 16), 2,
                            kv_cache_dtype="float16")
     assert not (tmp_path / "e").exists()
-    manifest = {"build": {"backend": "tensorrt", "dtype": "float16", "kv_cache_dtype": "float16", "block_size": 4},
-                "tensorrt": {"max_num_blocks": 8}}
-    with pytest.raises(ValueError, match="kv_cache_dtype 'float16'.*tensorrt backend"):
+    manifest = {"build": {"backend": "tensorrt", "dtype": "bfloat16", "kv_cache_dtype": "float16",
+                          "block_size": 4}, "tensorrt": {"max_num_blocks": 8}}
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float16' with dtype 'bfloat16'"):
         TensorRTRunner(EngineDir(str(tmp_path), manifest), 4)
+
+
+def test_tensorrt_accepts_a_kv_cache_dtype_equal_to_its_dtype():
+    """On TensorRT the pools hold --dtype: --kv-cache-dtype float16 with --dtype float16 says
+    the same thing and passes the option checks (QA 18, L1), and its pools read as float16."""
+    from builder.build import BuildConfig
+    from builder.compile_tensorrt import check_kv_cache_dtype
+    from trtllm_lite.runners.tensorrt_runner import TensorRTUnavailable
+
+    for backend in ("tensorrt", "tensorrt-rtx"):
+        check_kv_cache_dtype(backend, "float16", "float16")
+        check_kv_cache_dtype(backend, "float32", "float16")
+        try:
+            BuildConfig(backend=backend, dtype="float16", kv_cache_dtype="float16").validate()
+        except TensorRTUnavailable:
+            pass     # (TensorRT absent: validate's last check; the KV cache and dtype checks passed)
+    engine = EngineDir("/nonexistent", {"build": {"backend": "tensorrt", "dtype": "float16",
+                                                  "kv_cache_dtype": "float16"}})
+    assert engine.kv_pool_dtype == "float16"

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"            {model['num_layers']} layers, hidden {model['hidden_size']}, heads "
           f"{model['num_heads']} (kv {model['num_kv_heads']}), head_dim {model['head_dim']}, "
           f"vocab {model['vocab_size']}")
-    print(f"build       dtype {build['dtype']}, kv_cache_dtype {engine.kv_cache_dtype}, block_size "
+    print(f"build       dtype {build['dtype']}, kv_cache_dtype {engine.kv_pool_dtype}, block_size "
           f"{build['block_size']}, max_num_seqs "
           f"{build['max_num_seqs']}, max_num_batched_tokens {build['max_num_batched_tokens']}, "
           f"max_seq_len {build['max_seq_len']}")

@@ -179,18 +179,19 @@ class TensorRTRunner:
             the engine's ``max_num_blocks`` (its optimization profiles' bound).
         num_threads: unused (the GPU runs the step); accepted for the common interface.
     Raises:
-        ValueError: the engine has no TensorRT plan, its ``kv_cache_dtype`` is not float32, or
+        ValueError: the engine has no TensorRT plan, its ``kv_cache_dtype`` is neither float32
+            nor its ``dtype``, or
             ``num_kv_blocks`` is out of range.
         TensorRTUnavailable: tensorrt / tensorrt-rtx / cuda-python is not installed.
         CudaUnavailable: no usable GPU.
     """
 
     def __init__(self, engine: EngineDir, num_kv_blocks: int, num_threads: int | None = None):
-        if engine.kv_cache_dtype != "float32":   # (the builder refuses to build one)
-            raise ValueError(f"engine {engine.path!r} has kv_cache_dtype {engine.kv_cache_dtype!r}: the "
-                             f"{engine.backend} backend's KV pools take the engine's precision (--dtype), "
-                             "which its CUDA PagedAttention kernels read; kv_cache_dtype float16 is for the "
-                             "onnxruntime backend")
+        dtype = engine.build.get("dtype", "float32")
+        if engine.kv_cache_dtype not in ("float32", dtype):   # (the builder refuses to build one)
+            raise ValueError(f"engine {engine.path!r} has kv_cache_dtype {engine.kv_cache_dtype!r} with dtype "
+                             f"{dtype!r}: the {engine.backend} backend's KV pools take the engine's precision "
+                             "(--dtype), which its CUDA PagedAttention kernels read")
         info = engine.manifest.get("tensorrt")
         if not info:
             raise ValueError(f"engine {engine.path!r} has no TensorRT plan (backend {engine.backend!r})")
