@@ -501,6 +501,20 @@ def test_bad_json_is_400(server):
     assert "not valid JSON" in r.json()["error"]["message"]
 
 
+def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smollm2_llm):
+    """An unknown field (a misspelt ``max_token``) is ignored, as vLLM and OpenAI do, and its
+    name is logged, so the request is not silently served at the default unnoticed."""
+    r = httpx.post(f"http://{server.http}/v1/completions", timeout=60,
+                   json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "max_token": 9, "zz_extra": {}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    r = httpx.post(f"http://{server.http}/tokenize", json={"prompt": "Hi", "zz_tok_extra": 1}, timeout=30)
+    assert r.status_code == 200, r.text
+    wait_until(lambda: any("zz_tok_extra" in line for line in server.stderr_lines), timeout=10)
+    logged = [line for line in server.stderr_lines if "request fields ignored" in line]
+    assert any("max_token, zz_extra" in line for line in logged), logged
+
+
 def test_form_body_is_400_naming_the_content_type(server):
     """`curl -d '{...}'` sends the JSON as a form: a 400 that says the body must be sent as
     application/json (pydantic's "valid dictionary" message did not say why; QA)."""

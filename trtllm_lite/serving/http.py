@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import math
 import socket
 import time
@@ -28,6 +29,7 @@ from ..async_llm import Admission, QueueFullError, tokenizing_size
 from . import openai_protocol as oa
 from .engine_service import Accumulator, EngineService, RequestBatch, classify, position_logprobs
 
+log = logging.getLogger("trtllm_lite.serving")
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 _GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -210,9 +212,16 @@ class OpenAIServer:
         return JSONResponse(oa.error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.service.model_name:
-            raise NotFound(f"model {model!r} does not exist; this server serves {self.service.model_name!r}")
+    def _check_body(self, body) -> None:
+        """Raise :class:`NotFound` for another model's name; log the body's unknown fields.
+
+        Unknown fields are ignored, as vLLM and OpenAI tolerate the extras client libraries
+        send; like vLLM, the server logs their names once per request, so a misspelt option
+        (``max_token``) is visible in the log rather than silently served at its default."""
+        if body.model is not None and body.model != self.service.model_name:
+            raise NotFound(f"model {body.model!r} does not exist; this server serves {self.service.model_name!r}")
+        if body.model_extra:
+            log.warning("request fields ignored (not part of the API): %s", ", ".join(sorted(body.model_extra)))
 
     # -- simple routes --------------------------------------------------------------------
     async def health(self):
@@ -228,7 +237,7 @@ class OpenAIServer:
 
     async def tokenize(self, body: oa.TokenizeRequest):
         try:
-            self._check_model(body.model)
+            self._check_body(body)
             if body.messages is not None and body.prompt is not None:
                 raise ValueError("prompt and messages: send one or the other, not both")
             if body.messages is not None:
@@ -250,7 +259,7 @@ class OpenAIServer:
 
     async def detokenize(self, body: oa.DetokenizeRequest):
         try:
-            self._check_model(body.model)
+            self._check_body(body)
             return {"prompt": self.service.detokenize(body.tokens, name="tokens")}
         except Exception as e:  # noqa: BLE001
             return error_response(e)
@@ -323,7 +332,7 @@ class OpenAIServer:
     async def completions(self, body: oa.CompletionRequest, request: Request):
         with ExitStack() as held:   # admitted: a drain waits for it while its text is tokenized
             try:
-                self._check_model(body.model)
+                self._check_body(body)
                 admission = held.enter_context(self.service.llm.admit())
                 prompts = body.prompts()
                 limit = self.service.llm.max_waiting_requests
@@ -357,7 +366,7 @@ class OpenAIServer:
     async def chat(self, body: oa.ChatCompletionRequest, request: Request):
         with ExitStack() as held:   # admitted: a drain waits for it while its text is tokenized
             try:
-                self._check_model(body.model)
+                self._check_body(body)
                 admission = held.enter_context(self.service.llm.admit())
                 messages = body.message_dicts()
                 ids = await self.service.prepare(self.service.chat_prompt, messages, body.add_generation_prompt,

@@ -1,7 +1,8 @@
 """OpenAI API request bodies (pydantic) and their mapping to trtllm-lite's request values,
 with vLLM's extra sampling fields (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ...). Unknown fields are ignored, as vLLM and OpenAI's own
-servers tolerate the extras client libraries send; known ones are checked by
+servers tolerate the extras client libraries send, and their names logged (vLLM too); known
+ones are checked by
 ``SamplingParams`` (a bad value is a 400 naming the field).
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)   # (unknown fields: logged, ignored)
 
     model: str | None = None
     cache_salt: str | None = None       # vLLM: prefix-cache blocks shared only within a salt
@@ -196,7 +197,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)   # (unknown fields: logged, ignored)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -205,7 +206,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)   # (unknown fields: logged, ignored)
     model: str | None = None
     tokens: list[int]
 
