@@ -508,11 +508,25 @@ def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smo
                    json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "max_token": 9, "zz_extra": {}})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
-    r = httpx.post(f"http://{server.http}/tokenize", json={"prompt": "Hi", "zz_tok_extra": 1}, timeout=30)
+    forged = "zz\n2099-01-01 00:00:00,000 CRITICAL trtllm_lite.serving: FORGED"
+    r = httpx.post(f"http://{server.http}/tokenize", timeout=30,
+                   json={"prompt": "Hi", "zz_tok_extra": 1, forged: 1, "y" * 100_000: 2})
     assert r.status_code == 200, r.text
-    wait_until(lambda: any("zz_tok_extra" in line for line in server.stderr_lines), timeout=10)
+    r = httpx.post(f"http://{server.http}/detokenize", json={"tokens": [1], **{f"f{i:04d}": i for i in range(100)}})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"http://{server.http}/v1/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 2, "stream": True, "stream_options": {"incude_usage": True}})
+    assert r.status_code == 200, r.text
+    wait_until(lambda: any("incude_usage" in line for line in server.stderr_lines), timeout=10)
     logged = [line for line in server.stderr_lines if "request fields ignored" in line]
-    assert any("max_token, zz_extra" in line for line in logged), logged
+    assert any("'max_token', 'zz_extra'" in line for line in logged), logged
+    assert any("'stream_options.incude_usage'" in line for line in logged), logged
+    # (a client's newline cannot forge a log line; 100 KB of name and 100 fields give a short line)
+    assert not any(line.startswith("2099-01-01") for line in server.stderr_lines)
+    line = next(line for line in logged if "zz_tok_extra" in line)
+    assert "\\n2099" in line and "'yyy" in line and len(line) < 500, line
+    line = next(line for line in logged if "f0000" in line)
+    assert "'f0015' and 84 more" in line and len(line) < 500, line
 
 
 def test_form_body_is_400_naming_the_content_type(server):

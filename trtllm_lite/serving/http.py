@@ -34,6 +34,20 @@ _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 _GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
+MAX_LOGGED_FIELDS, MAX_LOGGED_NAME = 16, 64
+
+
+def ignored_fields_text(names: list[str]) -> str:
+    """Unknown request field names for the log: each as a Python literal (``repr``: a newline
+    or control character in a client's name cannot forge a log line), cut to
+    ``MAX_LOGGED_NAME`` characters, at most ``MAX_LOGGED_FIELDS`` of them, so a 16 MB name or
+    thousands of fields give one short line."""
+    names = sorted(names)
+    shown = [repr(n if len(n) <= MAX_LOGGED_NAME else n[:MAX_LOGGED_NAME] + "...") for n in names[:MAX_LOGGED_FIELDS]]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
+
+
 class NotFound(LookupError):
     pass
 
@@ -220,8 +234,12 @@ class OpenAIServer:
         (``max_token``) is visible in the log rather than silently served at its default."""
         if body.model is not None and body.model != self.service.model_name:
             raise NotFound(f"model {body.model!r} does not exist; this server serves {self.service.model_name!r}")
-        if body.model_extra:
-            log.warning("request fields ignored (not part of the API): %s", ", ".join(sorted(body.model_extra)))
+        ignored = list(body.model_extra or ())
+        options = getattr(body, "stream_options", None)
+        if options is not None and options.model_extra:
+            ignored += [f"stream_options.{name}" for name in options.model_extra]
+        if ignored:
+            log.warning("request fields ignored (not part of the API): %s", ignored_fields_text(ignored))
 
     # -- simple routes --------------------------------------------------------------------
     async def health(self):

@@ -21,7 +21,7 @@ PROMPT_FORMS = ("must be a string, a list of strings, a list of token ids (integ
 
 # strict: a wrong JSON type is a 400 naming the field (true is not 1, "yes" is not true)
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)   # (unknown fields: logged, ignored)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
