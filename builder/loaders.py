@@ -66,7 +66,7 @@ def resolve_model_path(model: str) -> str:
         if not os.path.exists(path):
             raise FileNotFoundError(f"--model {model!r}: {path} is missing from package {package!r}")
         return path
-    if os.path.isfile(model) and model.endswith(".gguf"):
+    if os.path.isfile(model) and model.lower().endswith(".gguf"):
         return model
     if os.path.isdir(model) and os.path.exists(os.path.join(model, "config.json")):
         return model
@@ -82,11 +82,26 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_model(model: str) -> LoadedModel:
-    """Load ``model`` (see :func:`resolve_model_path`) into a :class:`LoadedModel`."""
+    """Load ``model`` (see :func:`resolve_model_path`) into a :class:`LoadedModel`.
+
+    Raises:
+        FileNotFoundError: see :func:`resolve_model_path`.
+        OSError: a file cannot be read (the error names its path).
+        UnsupportedModelError: an architecture or tensor the builder cannot export.
+        ValueError: the file or directory exists but cannot be read as a GGUF file or a
+            Hugging Face checkpoint (truncated, not GGUF, a config.json that is not an object);
+            the message names --model, the path and the reader's error.
+    """
     path = resolve_model_path(model)
-    if path.endswith(".gguf"):
-        return load_gguf(path)
-    return load_hf_dir(path)
+    is_gguf = path.lower().endswith(".gguf")
+    try:
+        return load_gguf(path) if is_gguf else load_hf_dir(path)
+    except (UnsupportedModelError, OSError, MemoryError):   # (OSError names its path)
+        raise
+    except Exception as e:   # noqa: BLE001 - the readers' own errors (gguf, json, safetensors, numpy)
+        what = "a GGUF file" if is_gguf else "a Hugging Face checkpoint (config.json, *.safetensors)"
+        raise ValueError(f"--model {model!r}: cannot read {path} as {what}: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------

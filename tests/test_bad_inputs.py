@@ -1,6 +1,7 @@
 """Bad input gets a clear error naming the problem, and nothing is lost."""
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -142,6 +143,31 @@ def test_unknown_model_is_a_clear_error(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(FileNotFoundError, match="is a file but not a .gguf file"):
         build_engine(str(tmp_path / "weights.bin"), str(tmp_path / "e"))
+
+
+def test_unreadable_model_files_name_model_and_path(tmp_path, capsys):
+    """A file or config.json that exists but is not a checkpoint: a ValueError naming --model,
+    the path and the reader's error, not a traceback (QA 19); nothing is written."""
+    import importlib.util
+
+    from builder.build import build_engine
+    from trtllm_lite.cli import main
+
+    garbage = tmp_path / "model.GGUF"     # (the extension in any case)
+    garbage.write_bytes(b"GGUF" + bytes(range(104)))
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    bad_config = tmp_path / "hf"
+    bad_config.mkdir()
+    (bad_config / "config.json").write_text("[1, 2]")
+    for model, kind in ((garbage, "a GGUF file"), (tmp_path / "empty.gguf", "a GGUF file"),
+                        (bad_config, "a Hugging Face checkpoint")):
+        with pytest.raises(ValueError, match=f"--model '{re.escape(str(model))}': cannot read .* as {kind}"):
+            build_engine(str(model), str(tmp_path / "e"))
+        assert not (tmp_path / "e").exists()
+    if importlib.util.find_spec("tensorrt") is None:   # TensorRT absent: one line, no traceback
+        assert main(["build", "--model", str(garbage), "--output", str(tmp_path / "e"),
+                     "--backend", "tensorrt", "--dtype", "float16", "--kv-cache-dtype", "float16"]) == 1
+        assert "'tensorrt', which is not installed" in capsys.readouterr().err
 
 
 def test_unsupported_architecture_and_missing_tensor(tmp_path):

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from .runners.tensorrt_runner import TensorRTUnavailable
+
 COMMANDS = {
     "build": ("builder.cli", "export and compile a model into an engine directory"),
     "generate": ("trtllm_lite.commands.generate", "generate from a prompt with an engine"),
@@ -53,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(modules[args.command].run(args) or 0)
-    except (ValueError, OSError) as e:     # bad input, a busy port, a path that cannot be written
-        if isinstance(e, BrokenPipeError):  # `trtllm-lite generate ... | head`
-            return 0
+    except (ValueError, OSError, TensorRTUnavailable) as e:   # bad input, a busy port, a path that
+        if isinstance(e, BrokenPipeError):  # `trtllm-lite generate ... | head`    cannot be written,
+            return 0                        # a backend's package not installed
         print(f"trtllm-lite {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
