@@ -96,7 +96,9 @@ def load_model(model: str) -> LoadedModel:
     is_gguf = path.lower().endswith(".gguf")
     try:
         return load_gguf(path) if is_gguf else load_hf_dir(path)
-    except (UnsupportedModelError, OSError, MemoryError):   # (OSError names its path)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"--model {model!r}: {e}") from e
+    except (OSError, MemoryError):   # (OSError names its path)
         raise
     except Exception as e:   # noqa: BLE001 - the readers' own errors (gguf, json, safetensors, numpy)
         what = "a GGUF file" if is_gguf else "a Hugging Face checkpoint (config.json, *.safetensors)"

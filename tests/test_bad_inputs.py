@@ -164,6 +164,9 @@ def test_unreadable_model_files_name_model_and_path(tmp_path, capsys):
         with pytest.raises(ValueError, match=f"--model '{re.escape(str(model))}': cannot read .* as {kind}"):
             build_engine(str(model), str(tmp_path / "e"))
         assert not (tmp_path / "e").exists()
+    (bad_config / "config.json").write_text("{}")   # (no architecture: the loader's own error)
+    with pytest.raises(ValueError, match=f"--model '{re.escape(str(bad_config))}': unsupported architecture"):
+        build_engine(str(bad_config), str(tmp_path / "e"))
     if importlib.util.find_spec("tensorrt") is None:   # TensorRT absent: one line, no traceback
         assert main(["build", "--model", str(garbage), "--output", str(tmp_path / "e"),
                      "--backend", "tensorrt", "--dtype", "float16", "--kv-cache-dtype", "float16"]) == 1

@@ -39,13 +39,17 @@ MAX_LOGGED_FIELDS, MAX_LOGGED_NAME = 16, 64
 
 def ignored_fields_text(names: list[str]) -> str:
     """Unknown request field names for the log: each as a Python literal (``repr``: a newline
-    or control character in a client's name cannot forge a log line), cut to
+    or control character in a client's name cannot forge a log line), the literal cut to
     ``MAX_LOGGED_NAME`` characters, at most ``MAX_LOGGED_FIELDS`` of them, so a 16 MB name or
-    thousands of fields give one short line."""
+    thousands of fields give one line of at most ~1.1 KB."""
     names = sorted(names)
-    shown = [repr(n if len(n) <= MAX_LOGGED_NAME else n[:MAX_LOGGED_NAME] + "...") for n in names[:MAX_LOGGED_FIELDS]]
+    shown = [_cut(repr(n[:MAX_LOGGED_NAME + 1]), MAX_LOGGED_NAME) for n in names[:MAX_LOGGED_FIELDS]]
     more = len(names) - len(shown)
     return ", ".join(shown) + (f" and {more} more" if more else "")
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class NotFound(LookupError):
