@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from trtllm_lite.engine_dir import tensorrt_kv_cache_dtype_ok
 from trtllm_lite.runners.tensorrt_runner import (  # noqa: F401  (TensorRTUnavailable: re-exported)
     TensorRTUnavailable, import_tensorrt, register_plugin)
 
@@ -250,7 +251,7 @@ def check_kv_cache_dtype(backend: str, kv_cache_dtype: str, dtype: str) -> None:
     Raises:
         ValueError: ``kv_cache_dtype`` is neither float32 nor ``dtype`` (names kv_cache_dtype).
     """
-    if kv_cache_dtype not in ("float32", dtype):
+    if not tensorrt_kv_cache_dtype_ok(kv_cache_dtype, dtype):
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} (--kv-cache-dtype) with --dtype {dtype!r}: the "
                          f"{backend} backend's KV pools take the engine's precision (--dtype "
                          f"{' or '.join(PRECISIONS[backend])}), which its CUDA PagedAttention kernels read; "

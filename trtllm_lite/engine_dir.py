@@ -35,6 +35,13 @@ def check_kv_cache_dtype_name(kv_cache_dtype: str) -> str:
     return kv_cache_dtype
 
 
+def tensorrt_kv_cache_dtype_ok(kv_cache_dtype: str, dtype: str) -> bool:
+    """Whether a TensorRT engine of precision ``dtype`` can have ``kv_cache_dtype``: its pools
+    take ``dtype`` (the CUDA kernels read the network's type), so the default float32
+    (follow ``dtype``) or ``dtype`` itself."""
+    return kv_cache_dtype in ("float32", dtype)
+
+
 def clip_to_float16_range(x):
     """A numpy array's values clipped to float16's finite range (+-:data:`FLOAT16_MAX`; NaN
     stays NaN): what a float16 pool stores for K/V past that range, never inf. Same shape and

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine_dir import EngineDir
+from ..engine_dir import EngineDir, tensorrt_kv_cache_dtype_ok
 from .base import StepBatch, StepInputs, build_step_inputs
 
 MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}      # backend -> module
@@ -188,7 +188,7 @@ class TensorRTRunner:
 
     def __init__(self, engine: EngineDir, num_kv_blocks: int, num_threads: int | None = None):
         dtype = engine.build.get("dtype", "float32")
-        if engine.kv_cache_dtype not in ("float32", dtype):   # (the builder refuses to build one)
+        if not tensorrt_kv_cache_dtype_ok(engine.kv_cache_dtype, dtype):   # (the builder refuses to build one)
             raise ValueError(f"engine {engine.path!r} has kv_cache_dtype {engine.kv_cache_dtype!r} with dtype "
                              f"{dtype!r}: the {engine.backend} backend's KV pools take the engine's precision "
                              "(--dtype), which its CUDA PagedAttention kernels read")
