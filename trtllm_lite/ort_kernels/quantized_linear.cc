@@ -41,8 +41,10 @@
 //     so a 64-byte chunk (128 weights) costs three logic ops and nine vpdpbusd: four byte
 //     planes x two nibbles, and the codes' sum. The integer sums are exact; the block's
 //     sum_k c_k q_k is then (A0 + 2^8 A1 + 2^16 A2 + 2^24 (A3 - 128 Q)) / 2^s_b, rounded once
-//     to float32, and y += scale * that + mean_b * (scale * Q + block_size * offset) (Q = the
-//     codes' sum; the second factor is the block's weight sum). Against float32 arithmetic:
+//     to float32, and y += scale * that + mean_b * (scale * Q + block_size * offset) + offset *
+//     sum_k c_k (Q = the codes' sum; the second factor is the block's weight sum; the last term
+//     is not 0 where the rounded mean is inexact: x = 1e3 + N(0, 1) lost ~1e-5 relative without
+//     it on Zen 5, x near float32's subnormals ~1e-4). Against float32 arithmetic:
 //     each c at 2^-7 of its block's largest or more is exact, smaller ones are rounded to
 //     2^-32 of the largest (float32 would round them to 2^-24 of their own), and the sums are
 //     not rounded at all. (With three planes, 24 bits, a block of one large and many small
@@ -199,6 +201,8 @@ struct Step {
   const float* x;      // [M, ldx >= nb * block_size]: x, zero-padded to whole blocks if needed
   const float* means;  // M = 1 (AVX-512 build): [nb] block means of x, which x then holds
                        // centered per block (gemv_group)
+  const float* centered_sums;   // M = 1 (AVX-512 build): [nb] sum_k c_k of the centered x as
+                                // the loops read it (not 0 where the mean is inexact)
   const uint8_t* planes;   // M = 1 (VNNI): [nb][4][chunks * 8] the byte planes of C + 2^31
   const float* factors;    // VNNI, M = 1: [nb][2] 2^-s_b as two factors
   const int32_t* pairs;    // AVX2, M <= 4: [rows][nb * width] x's int16 pairs (x_pairs_avx2)
@@ -266,8 +270,11 @@ inline __mmask16 lanes_mask(const Packed& w, int64_t group) {
 }
 
 // x (one row) centered per block: means[b] = mean of block b, centered = x - means[b] (the
-// block's own mean; [nb * block_size] float32).
-inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float* means, float* centered) {
+// block's own mean; [nb * block_size] float32), sums[b] = sum_k centered_k in float64, rounded
+// once: the rounded mean leaves it nonzero (x = 1e3 + N(0, 1): ~1e-4 a value), and the
+// block's offset times it is part of y (gemv_group).
+inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float* means, float* centered,
+                          float* sums) {
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * block_size;
     const float inv = 1.0f / static_cast<float>(block_size);
@@ -275,8 +282,13 @@ inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float*
 #pragma omp simd reduction(+ : mean)
     for (int64_t i = 0; i < block_size; ++i) mean += xb[i] * inv;
     means[b] = mean;
-#pragma omp simd
-    for (int64_t i = 0; i < block_size; ++i) centered[b * block_size + i] = xb[i] - mean;
+    double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < block_size; ++i) {
+      centered[b * block_size + i] = xb[i] - mean;
+      sum += static_cast<double>(xb[i] - mean);
+    }
+    sums[b] = static_cast<float>(sum);
   }
 }
 
@@ -288,9 +300,11 @@ inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float*
 // (factors[2b], factors[2b + 1]; s_b ranges over ~[-97, 179], beyond one float's exponents).
 // A value of x at 2^-7 of its block's largest or more converts exactly (float32 holds 24
 // bits); smaller ones round to 2^-32 of the largest. A block with a NaN or infinity gets factor
-// NaN, so its outputs are NaN as float32 arithmetic's would be.
+// NaN, so its outputs are NaN as float32 arithmetic's would be. sums[b] = sum_k C_k 2^-s_b (the
+// integers' exact sum, rounded once): not 0 where the mean is inexact (gemv_group_vnni adds the
+// block's offset times it).
 inline void integer_planes(const float* x, int64_t nb, int64_t block_size, int64_t width, float* means,
-                           uint8_t* planes, float* factors) {
+                           uint8_t* planes, float* factors, float* sums) {
   auto lanes = [block_size](int64_t i) {
     return static_cast<__mmask16>(block_size - i >= 16 ? 0xFFFF : (1u << (block_size - i)) - 1);
   };
@@ -312,7 +326,7 @@ inline void integer_planes(const float* x, int64_t nb, int64_t block_size, int64
     }
     const float amax = _mm512_reduce_max_ps(largest);
     if (!std::isfinite(mean) || !std::isfinite(amax)) {   // NaN/inf in x (or |x - mean| past float32's range)
-      factors[2 * b] = factors[2 * b + 1] = std::numeric_limits<float>::quiet_NaN();
+      factors[2 * b] = factors[2 * b + 1] = sums[b] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }
     const int shift = 31 - exponent_of(amax), half = shift / 2;   // |half|, |shift - half| <= 82
@@ -321,13 +335,19 @@ inline void integer_planes(const float* x, int64_t nb, int64_t block_size, int64
     // c * 2^s in two exact steps (powers of two): below 2^31 in magnitude, so no clamp
     const __m512 up1 = _mm512_set1_ps(power_of_two(half)), up2 = _mm512_set1_ps(power_of_two(shift - half));
     const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+    __m512i sum_c = _mm512_setzero_si512();   // int64 lanes: at most 2^31 x block_size
     for (int64_t i = 0; i < block_size; i += 16) {
       const __mmask16 m = lanes(i);
       const __m512 c = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, xb + i), mean16);
-      const __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(c, up1), up2)), bias);
+      const __m512i ci = _mm512_maskz_cvtps_epi32(m, _mm512_mul_ps(_mm512_mul_ps(c, up1), up2));
+      sum_c = _mm512_add_epi64(sum_c, _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(ci)),
+                                                      _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(ci, 1))));
+      const __m512i v = _mm512_add_epi32(ci, bias);
       for (int k = 0; k < kPlanes; ++k)
         _mm512_mask_cvtepi32_storeu_epi8(plane + k * width + i, m, _mm512_srli_epi32(v, 8 * k));
     }
+    sums[b] = static_cast<float>(static_cast<double>(_mm512_reduce_add_epi64(sum_c)) *
+                                 static_cast<double>(factors[2 * b]) * static_cast<double>(factors[2 * b + 1]));
   }
 }
 
@@ -390,14 +410,16 @@ void gemv_group_vnni(const Step& st, int64_t group) {
                           _mm512_mul_ps(scale, _mm512_set1_ps(st.factors[2 * b + 1])), acc);
     const __m512 weight_sum = _mm512_fmadd_ps(scale, codes_sum, _mm512_mul_ps(block_size, offset));
     acc_means = _mm512_fmadd_ps(weight_sum, _mm512_set1_ps(st.means[b]), acc_means);
+    acc_means = _mm512_fmadd_ps(offset, _mm512_set1_ps(st.centered_sums[b]), acc_means);
   }
   _mm512_mask_storeu_ps(st.y + group * kLanes, lanes_mask(w, group), _mm512_add_ps(acc, acc_means));
 }
 #endif
 
 // M = 1 without VNNI: one 16-row group, on x centered per block (c_k = x_k - mean_b, Step::x):
-//   y = sum_b scale_b * (sum_k c_k q_k) + mean_b * (scale_b * sum_k q_k + block_size * offset_b),
-// the second factor being the block's weight sum. The same as sum_b scale_b * (sum_k x_k q_k)
+//   y = sum_b scale_b * (sum_k c_k q_k) + mean_b * (scale_b * sum_k q_k + block_size * offset_b)
+//       + offset_b * sum_k c_k,
+// the second factor being the block's weight sum (sum_k c_k: Step::centered_sums). The same as sum_b scale_b * (sum_k x_k q_k)
 // + offset_b * blocksum_b, whose two terms cancel when x has a large common part (an input of
 // mean 50 lost 1.8e-5 to 6.9e-5 relative that way, against ~4e-7 for float32 x @ w); centered,
 // the error is float32 x @ w's. The code sums ride on the adders, beside the multiply-adds.
@@ -427,6 +449,7 @@ void gemv_group(const Step& st, int64_t group) {
     acc = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(t[0], t[1]), _mm512_add_ps(t[2], t[3])), scale, acc);
     const __m512 weight_sum = _mm512_fmadd_ps(scale, _mm512_add_ps(q[0], q[1]), _mm512_mul_ps(block_size, offset));
     acc_means = _mm512_fmadd_ps(weight_sum, _mm512_set1_ps(st.means[b]), acc_means);
+    acc_means = _mm512_fmadd_ps(offset, _mm512_set1_ps(st.centered_sums[b]), acc_means);
   }
   _mm512_mask_storeu_ps(st.y + group * kLanes, lanes_mask(w, group), _mm512_add_ps(acc, acc_means));
 }
@@ -1108,7 +1131,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   if (st.rows == 0) return nullptr;
   // x zero-padded to whole blocks where K is not a multiple of the block size
   const int64_t nb = packed.nb, width = nb * block_size;
-  thread_local std::vector<float> x_buffer, means, centered, factors;
+  thread_local std::vector<float> x_buffer, means, centered, centered_sums, factors;
   thread_local std::vector<uint8_t> planes;
   thread_local std::vector<int32_t> pairs;
   thread_local std::vector<double> block_terms;
@@ -1124,16 +1147,19 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
 #ifdef __AVX512F__
   if (st.rows == 1) {   // centered per block (gemv_group*; the portable loops take x as it is)
     means.resize(static_cast<size_t>(nb));
+    centered_sums.resize(static_cast<size_t>(nb));
     st.means = means.data();
+    st.centered_sums = centered_sums.data();
 #ifdef TRTLLM_LITE_VNNI
     planes.resize(static_cast<size_t>(nb * kPlanes * packed.width()));
     factors.resize(static_cast<size_t>(2 * nb));
-    integer_planes(st.x, nb, block_size, packed.width(), means.data(), planes.data(), factors.data());
+    integer_planes(st.x, nb, block_size, packed.width(), means.data(), planes.data(), factors.data(),
+                   centered_sums.data());
     st.planes = planes.data();
     st.factors = factors.data();
 #else
     centered.resize(static_cast<size_t>(width));
-    center_blocks(st.x, nb, block_size, means.data(), centered.data());
+    center_blocks(st.x, nb, block_size, means.data(), centered.data(), centered_sums.data());
     st.x = centered.data();
 #endif
   }
