@@ -1,5 +1,6 @@
 """The CPU benchmark suite: our engines against the peers, in one run, on the same weights.
 
+    pip install -e ".[bench]"                # the peers (onnxruntime-genai, HF) and the plot
     python tools/bench.py                    # everything (25-30 minutes on 2 idle cores)
     python tools/bench.py --quick            # latency and greedy checks only
     python tools/bench.py --skip genai hf    # leave peers out
@@ -158,6 +159,10 @@ def main(argv=None) -> int:
 
     from bench_peers import GenAIPeer, LlamaCppPeer
 
+    try:   # the plot comes last: a missing matplotlib would end a half-hour run without results
+        import matplotlib  # noqa: F401
+    except ImportError:
+        p.error("matplotlib is needed for the plot: pip install -e '.[bench]'")
     load0 = os.getloadavg()
     log(f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} on {os.cpu_count()} cores")
     e = args.engines
