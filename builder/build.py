@@ -14,7 +14,7 @@ from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST, check_kv_cac
 from .export_onnx import export_graphs
 from .draft import keep_first_layers
 from .loaders import load_model
-from .paged_attention import without_attention_metadata
+from .paged_attention import with_kv_write_in_op, without_attention_metadata
 from .quantize import QUANTIZATIONS, quantize_model
 from .compile_tensorrt import (KV_WRITE, PRECISIONS, ProfileLimits, check_kv_cache_dtype, compile_engine,
                                import_tensorrt)
@@ -160,10 +160,10 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         for kind, file in files.items():
             onnx.save(_set_accuracy_level(graphs[kind], level), os.path.join(output, file))
     kernel_graphs = {}
-    if bc.backend == "onnxruntime":   # for sessions with trtllm-lite's kernels (no attention metadata)
+    if bc.backend == "onnxruntime":   # for sessions with trtllm-lite's kernels (no attention metadata; the op stores the K/V)
         for kind, graph in graphs.items():
             kernel_graphs[kind] = f"{kind}.kernels.onnx"
-            onnx.save(without_attention_metadata(graph), os.path.join(output, kernel_graphs[kind]))
+            onnx.save(with_kv_write_in_op(without_attention_metadata(graph)), os.path.join(output, kernel_graphs[kind]))
             onnx.checker.check_model(os.path.join(output, kernel_graphs[kind]))
     tensorrt = None
     if bc.backend in KV_WRITE:

@@ -624,6 +624,19 @@ def make_onnx_function(opset: int | None = None, heads: tuple[int, int, int] | N
                                 attributes=["num_heads", "num_kv_heads", "scale"])
 
 
+def _keep_nodes_feeding_outputs(graph) -> None:
+    """Drop the nodes of ``graph`` (``onnx.GraphProto``, in place) that feed no graph output."""
+    needed = {o.name for o in graph.output}
+    kept = []
+    for node in reversed(graph.node):   # (nodes are in topological order)
+        if any(name in needed for name in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    kept.reverse()
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
 def without_attention_metadata(model):
     """A copy of an ONNX Runtime graph (``make_onnx_functions(heads, decode_path=True)``'s
     form) whose PagedAttention nodes take the op's 9 inputs alone: the step's metadata inputs
@@ -633,9 +646,10 @@ def without_attention_metadata(model):
     For ONNX Runtime with trtllm-lite's kernels registered (``trtllm_lite/ort_kernels``): the
     C++ PagedAttention kernel reads the block tables directly, so the ~130 metadata nodes
     (index and mask tensors for the function body) would run every step for nothing
-    (measured on SmolLM2 int4 at batch 1: ~5% of a decode step). Without the kernels this
-    graph still runs, but computes the metadata once per layer instead of once per step.
-    The body is written for the graph's pool type (its ``key_cache.0`` input: float32 or
+    (measured on SmolLM2 int4 at batch 1: ~5% of a decode step). The body written here
+    computes the metadata in each layer (once per layer instead of once per step); the build
+    then makes the nodes store the K/V themselves (:func:`with_kv_write_in_op`), which only
+    the kernels do. The body is written for the graph's pool type (its ``key_cache.0`` input: float32 or
     float16).
 
     Args:
@@ -651,19 +665,55 @@ def without_attention_metadata(model):
     for node in graph.node:
         if node.domain == DOMAIN and node.op_type == OP_TYPE:
             del node.input[len(INPUT_NAMES):]
-    needed = {o.name for o in graph.output}
-    kept = []
-    for node in reversed(graph.node):   # (nodes are in topological order)
-        if any(name in needed for name in node.output):
-            kept.append(node)
-            needed.update(node.input)
-    kept.reverse()
-    del graph.node[:]
-    graph.node.extend(kept)
+    _keep_nodes_feeding_outputs(graph)
     opset = next(o.version for o in out.opset_import if o.domain == "")
     pool = next(i for i in graph.input if i.name == "key_cache.0")
     kv_cache_dtype = "float16" if pool.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else "float32"
     functions = [f for f in out.functions if (f.domain, f.name) not in {(DOMAIN, OP_TYPE), (DOMAIN, DECODE_OP_TYPE)}]
     del out.functions[:]
     out.functions.extend(functions + [make_onnx_function(opset, kv_cache_dtype=kv_cache_dtype)])
+    return out
+
+
+KV_OUTPUTS = ("new_keys", "new_values")
+
+
+def with_kv_write_in_op(model):
+    """A copy of an ONNX Runtime graph whose PagedAttention nodes store the step's K/V in the
+    pools themselves (attribute ``kv_write_in_op = 1``: the C++ kernel writes them at
+    ``slot_mapping`` before attending, as vLLM's ``reshape_and_cache`` does): no ``new_keys``
+    / ``new_values`` outputs, and no Concat / Reshape nodes gathering every layer's K/V for
+    them, so the runtime stores nothing after the call.
+
+    Only for sessions with trtllm-lite's kernels registered (``graph_variants.custom_kernels``):
+    the op's ONNX function body cannot write its inputs, so without the kernels this graph
+    would never fill the pools (the runtime then takes the plain graphs, which return the K/V).
+    Measured on SmolLM2 int4 at batch 1 (Zen 5 VM): the runtime's store took ~65 us of a ~4 ms
+    step, the gathering nodes more.
+
+    Args:
+        model: ``onnx.ModelProto`` with ``new_keys`` / ``new_values`` outputs; left unchanged.
+    Returns:
+        the new ``onnx.ModelProto``.
+    Raises:
+        ValueError: the graph has no ``new_keys`` / ``new_values`` outputs.
+    """
+    import onnx
+    from onnx import helper
+
+    if not set(KV_OUTPUTS) <= {o.name for o in model.graph.output}:
+        raise ValueError("with_kv_write_in_op: the graph has no new_keys / new_values outputs")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    kept_outputs = [o for o in graph.output if o.name not in KV_OUTPUTS]
+    del graph.output[:]
+    graph.output.extend(kept_outputs)
+    for node in graph.node:
+        if node.domain == DOMAIN and node.op_type == OP_TYPE:
+            node.attribute.append(helper.make_attribute("kv_write_in_op", 1))
+    _keep_nodes_feeding_outputs(graph)
+    for f in out.functions:   # the body ignores it, but declares it (the checker wants that)
+        if (f.domain, f.name) == (DOMAIN, OP_TYPE) and "kv_write_in_op" not in f.attribute:
+            f.attribute.append("kv_write_in_op")
     return out

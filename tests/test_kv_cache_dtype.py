@@ -24,7 +24,6 @@ from trtllm_lite.engine_dir import EngineDir, EngineError, load_engine_dir
 from trtllm_lite.runners.base import ScheduledSeq, StepBatch
 from trtllm_lite.runners.onnxruntime_runner import OnnxRuntimeRunner, OrtOptions
 
-from .test_tiny_models import kernel_graphs_engine
 
 FLOAT16_LOGITS_ATOL = 1e-2     # module docstring
 FLOAT16 = {"kv_cache_dtype": "float16"}
@@ -78,11 +77,10 @@ def reference_rows(hf, tokens: list[list[int]]) -> list[np.ndarray]:
     return rows
 
 
-@pytest.mark.parametrize("path", ["function-bodies", "kernel-graphs-function-bodies", "kernels"])
+@pytest.mark.parametrize("path", ["function-bodies", "kernels"])
 def test_float16_kv_cache_logits_match_hf_within_its_rounding(tiny_model, path, tmp_path):
-    """Each attention branch of the function body (the engine's graphs and the kernels'
-    graphs, which compute the metadata per layer) and trtllm-lite's C++ kernel, on float16
-    pools: logits within float16 rounding of HF's (and the float32 engine's within float32's),
+    """Each attention branch of the function body (the engine's graphs) and trtllm-lite's C++
+    kernel (the kernels' graphs, which store the K/V in the op), on float16 pools: logits within float16 rounding of HF's (and the float32 engine's within float32's),
     greedy ids as the float32 engine's; and a prompt computed whole or in two chunks (the
     second over the first's cached, rounded K/V) gives the same logits within float32
     rounding: the step's own K/V are attended rounded as the pool holds them."""
@@ -93,9 +91,6 @@ def test_float16_kv_cache_logits_match_hf_within_its_rounding(tiny_model, path, 
         pytest.skip("trtllm-lite's kernels do not build here (no C++ compiler)")
     hf, engine16 = tiny_model("llama-gqa", **FLOAT16)
     _, engine32 = tiny_model("llama-gqa")
-    if path == "kernel-graphs-function-bodies":
-        engine16 = kernel_graphs_engine(engine16, tmp_path / "16")
-        engine32 = kernel_graphs_engine(engine32, tmp_path / "32")
     runners = {}
     for name, engine_dir in (("16", engine16), ("32", engine32), ("16-chunked", engine16)):
         runners[name] = OnnxRuntimeRunner(load_engine_dir(engine_dir, verify_checksums=False), 64,

@@ -17,12 +17,13 @@ from builder.paged_attention import (DOMAIN, INPUT_NAMES, METADATA_NAMES, OP_TYP
 
 
 def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_path=False,
-                      session_options=None, pool_type=TensorProto.FLOAT):
+                      session_options=None, pool_type=TensorProto.FLOAT, kv_write_in_op=None):
     """One PagedAttention node; ``metadata``: fed by the metadata nodes written once in the
     graph (the engines' form) instead of the self-contained body; ``decode_path``: with the
     ONNX Runtime engines' decode path (taken when every sequence has one new token);
     ``pool_type``: the KV pools' element type (``TensorProto.FLOAT`` or ``FLOAT16``), or a
-    (key_cache, value_cache) pair of types."""
+    (key_cache, value_cache) pair of types; ``kv_write_in_op``: the node's attribute (the
+    kernel stores the step's K/V in the pools), left out when None."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     key_type, value_type = pool_type if isinstance(pool_type, tuple) else (pool_type, pool_type)
     dims = {"query": (f32, ["T", num_heads, head_dim]), "key": (f32, ["T", num_kv_heads, head_dim]),
@@ -39,16 +40,20 @@ def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_
                                                 w.op("Shape", "key_cache", start=1, end=2),
                                                 w.const([num_heads // num_kv_heads]),
                                                 (num_heads, num_kv_heads) if decode_path else None)
+    extra = {} if kv_write_in_op is None else {"kv_write_in_op": kv_write_in_op}
     node = helper.make_node(OP_TYPE, node_inputs, ["output"], domain=DOMAIN,
-                            num_heads=num_heads, num_kv_heads=num_kv_heads, scale=head_dim ** -0.5)
+                            num_heads=num_heads, num_kv_heads=num_kv_heads, scale=head_dim ** -0.5, **extra)
     graph = helper.make_graph(w.nodes + [node], "pa", inputs,
                               [helper.make_tensor_value_info("output", f32, ["T", num_heads, head_dim])])
+    functions = make_onnx_functions(heads=(num_heads, num_kv_heads, head_dim) if metadata else None,
+                                    decode_path=decode_path,
+                                    kv_cache_dtype="float16" if key_type == TensorProto.FLOAT16 else "float32")
+    if kv_write_in_op is not None:   # declared by the body, as builder.paged_attention.with_kv_write_in_op does
+        for f in functions:
+            if f.name == OP_TYPE:
+                f.attribute.append("kv_write_in_op")
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid(DOMAIN, 1)],
-                              functions=make_onnx_functions(
-                                  heads=(num_heads, num_kv_heads, head_dim) if metadata else None,
-                                  decode_path=decode_path,
-                                  kv_cache_dtype="float16" if key_type == TensorProto.FLOAT16 else "float32"))
+                                                    helper.make_opsetid(DOMAIN, 1)], functions=functions)
     # (pools the body cannot type: the kernel's own type check is what a test of them checks)
     onnx.checker.check_model(model, full_check=key_type == value_type != TensorProto.DOUBLE)
     return ort.InferenceSession(model.SerializeToString(), session_options,
@@ -328,6 +333,59 @@ def test_float16_pools_saturate_new_kv_past_float16s_range(op_library, qlens):
                                      step["query_start_loc"], head_dim ** -0.5)
     assert np.isfinite(got).all() and np.isfinite(want).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * 65504)
+
+
+@pytest.mark.parametrize("pool", [np.float32, np.float16])
+@pytest.mark.parametrize("qlens", [[1, 1, 1], [1, 9, 1], [4, 6]], ids=["decode", "mixed", "prefill"])
+def test_kernel_writes_the_steps_kv_into_the_pools(kernel_library, pool, qlens):
+    """``kv_write_in_op = 1`` (the graphs for sessions with the kernels): the pools, bound by
+    IOBinding over the caller's numpy arrays as the runtime binds them, hold key / value at
+    slot_mapping after the call (float16 pools: rounded to nearest even, saturating at
+    +-65504, as the runtime's store does), every other slot is untouched, and the output is
+    the float64 reference's. A slot outside the pool: an error naming slot_mapping, with the
+    pools unchanged."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    sess = single_op_session(heads, kv_heads, head_dim, session_options=_with_library(kernel_library),
+                             pool_type=TensorProto.FLOAT16 if pool == np.float16 else TensorProto.FLOAT,
+                             kv_write_in_op=1)
+    step = random_step(np.random.default_rng(8), [40, 7, 20][:len(qlens)], qlens, heads, kv_heads, head_dim, 16)
+    step["key_cache"], step["value_cache"] = step["key_cache"].astype(pool), step["value_cache"].astype(pool)
+    step["key"][0, 0, :2] = [7.0e4, -1.0e5]   # past float16's range
+    before = {name: step[name].copy() for name in ("key_cache", "value_cache")}
+
+    def run(feed):
+        binding = sess.io_binding()
+        for name, array in feed.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        binding.bind_output("output")
+        sess.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
+
+    got = run(step)
+    want = reference_paged_attention(step["query"], step["key"], step["value"], before["key_cache"],
+                                     before["value_cache"], step["block_tables"], step["context_lens"],
+                                     step["query_start_loc"], head_dim ** -0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * (65504 if pool == np.float16 else 1))
+    slots = step["slot_mapping"]
+    for name, new in (("key_cache", step["key"]), ("value_cache", step["value"])):
+        flat, old = step[name].reshape(-1, kv_heads, head_dim), before[name].reshape(-1, kv_heads, head_dim)
+        stored = np.clip(new, -65504, 65504).astype(pool) if pool == np.float16 else new
+        np.testing.assert_array_equal(flat[slots], stored)
+        others = np.setdiff1d(np.arange(len(flat)), slots)
+        np.testing.assert_array_equal(flat[others], old[others])
+    bad = {k: (v.copy() if k not in ("key_cache", "value_cache") else v) for k, v in step.items()}
+    bad["slot_mapping"][0] = len(step["key_cache"]) * 16
+    kept = {name: step[name].copy() for name in ("key_cache", "value_cache")}
+    with pytest.raises(Exception, match=r"slot_mapping\[0\] = \d+ outside the pool's"):
+        run(bad)
+    for name in kept:
+        np.testing.assert_array_equal(step[name], kept[name])
+
+
+def _with_library(library):
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(library)
+    return so
 
 
 @pytest.mark.parametrize("key_type,value_type", [(np.float16, np.float32), (np.float64, np.float64)],

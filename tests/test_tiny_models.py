@@ -1,4 +1,6 @@
 """Tiny random-weight models of every supported architecture against HF transformers."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -18,8 +20,7 @@ def hf_logits(hf, ids):
 
 def kernel_graphs_engine(engine_dir: str, tmp_path) -> str:
     """A copy of the engine whose manifest names its kernels' graphs (``*.kernels.onnx``, the
-    PagedAttention nodes without metadata inputs) as its graphs, so that sessions without the
-    kernels run them too (their self-contained attention body)."""
+    PagedAttention nodes without metadata inputs, storing the K/V themselves) as its graphs."""
     import json
     import shutil
 
@@ -32,16 +33,34 @@ def kernel_graphs_engine(engine_dir: str, tmp_path) -> str:
     return str(copy)
 
 
+def test_kernel_graphs_without_the_kernels_are_refused(tiny_model, tmp_path):
+    """The kernels' graphs store the step's K/V in their PagedAttention nodes (the C++ kernel's
+    ``kv_write_in_op``), which the op's ONNX function body cannot: a runner without the kernels
+    refuses them with a clear error instead of attending empty pools (only a hand-edited
+    manifest names them as the engine's graphs)."""
+    import onnx
+
+    _, engine_dir = tiny_model("llama-gqa")
+    engine = load_engine_dir(kernel_graphs_engine(engine_dir, tmp_path), verify_checksums=False)
+    for file in engine.manifest["graph_variants"]["custom_kernels"].values():
+        graph = onnx.load(os.path.join(engine.path, file), load_external_data=False).graph
+        assert [o.name for o in graph.output] == ["logits"]
+        assert all(any(a.name == "kv_write_in_op" and a.i == 1 for a in n.attribute)
+                   for n in graph.node if n.op_type == "PagedAttention")
+    with pytest.raises(ValueError, match="store the step's K/V in their PagedAttention nodes"):
+        OnnxRuntimeRunner(engine, 64, options=OrtOptions(custom_kernels=False))
+
+
 @pytest.mark.parametrize("prepacking,custom_kernels,kernel_graphs",
-                         [(True, True, True), (False, True, True), (True, False, False), (True, False, True)],
-                         ids=["one-session", "decode-graph", "function-bodies", "kernel-graphs-function-bodies"])
+                         [(True, True, True), (False, True, True), (True, False, False)],
+                         ids=["one-session", "decode-graph", "function-bodies"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_and_decode_logits_match_hf(tiny_model, kind, prepacking, custom_kernels, kernel_graphs, tmp_path):
     """Both runner modes: one prepacked session (decode steps through the prefill graph)
     and two sessions sharing one weight copy (decode steps through the decode graph); the
     attention by trtllm-lite's C++ kernel (where it builds: then through the graphs without
-    attention metadata) or by the op's ONNX function body, in the engine's graphs or in the
-    kernels' graphs (which compute the metadata in each layer's body)."""
+    attention metadata, whose PagedAttention nodes store the K/V) or by the op's ONNX function
+    body in the engine's graphs."""
     from trtllm_lite.ort_kernels import library_path
 
     hf, engine_dir = tiny_model(kind)

@@ -252,6 +252,18 @@ inline OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int
       info, name, out);
 }
 
+// An int attribute the node may leave out: *out keeps its default then (never an error).
+inline OrtStatus* optional_int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out) {
+  int64_t value = 0;
+  OrtStatus* status = int_attribute(info, name, &value);
+  if (status) {
+    slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(status);
+    return nullptr;
+  }
+  *out = value;
+  return nullptr;
+}
+
 inline OrtStatus* new_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
                              float** data) {
   OrtValue* value = nullptr;

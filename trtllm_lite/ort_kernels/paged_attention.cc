@@ -11,12 +11,19 @@
 //   2 value           [T, Hkv, D]      float32   the step's new V
 //   3 key_cache       [N, B, Hkv, D]   float32 or float16 (the engine's kv_cache_dtype): this layer's K pool
 //   4 value_cache     [N, B, Hkv, D]   the same type as key_cache
-//   5 slot_mapping    [T]              int64     (the runtime stores the new K/V: unused here)
+//   5 slot_mapping    [T]              int64     token t's pool slot (block * B + offset): with
+//                                                kv_write_in_op = 1 the op stores the step's K/V there
+//                                                itself, else the runtime does (unused here)
 //   6 block_tables    [S, M]           int64     logical -> physical block
 //   7 context_lens    [S]              int64     tokens cached before this step
 //   8 query_start_loc [S + 1]          int64     sequence s's tokens: [qsl[s], qsl[s + 1])
 //   9-22 (optional) the function body's metadata: unused here
-// Attribute: scale (float). Output: [T, H, D] float32. Query head h reads KV head h / (H / Hkv)
+// Attributes: scale (float); kv_write_in_op (int, default 0): 1 writes key / value into the
+// pools at slot_mapping before attending (vLLM's reshape_and_cache, in the op: the graphs for
+// sessions with this library return no new_keys / new_values, so the runtime has nothing to
+// store; float16 pools get the values rounded to nearest even, saturating at +-65504, as the
+// runtime's store would). The pools are the runtime's own memory, bound to the session without
+// a copy, so the write lands in them. Output: [T, H, D] float32. Query head h reads KV head h / (H / Hkv)
 // (grouped-query attention); token j of sequence s attends its cached positions and the
 // step's tokens of s up to j (causal).
 //
@@ -845,8 +852,26 @@ constexpr ONNXTensorElementDataType kInputTypes[kNumInputs] = {
 
 struct Kernel : KernelBase {
   float scale = 1.0f;
+  bool kv_write_in_op = false;
   OrtStatus* compute(OrtKernelContext* context) override;
 };
+
+// The step's K/V (rows [T, Hkv * D]) into the pool at slot_mapping (checked by the caller): float32
+// as is, float16 from values already rounded to it (round_to_half).
+inline void write_pool_rows(const float* rows, const int64_t* slots, int64_t T, int64_t width, float* pool) {
+  for (int64_t t = 0; t < T; ++t) std::memcpy(pool + slots[t] * width, rows + t * width, sizeof(float) * width);
+}
+inline void write_pool_rows(const float* rows, const int64_t* slots, int64_t T, int64_t width, uint16_t* pool) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = rows + t * width;
+    uint16_t* out = pool + slots[t] * width;
+    for (int64_t i = 0; i < width; ++i) {
+      uint16_t h;
+      if (!float_to_half_exact(row[i], &h)) h = 0x7e00;   // NaN (the only value not exact after rounding)
+      out[i] = h;
+    }
+  }
+}
 
 // A checked step's inputs other than the pools (shapes: the op's inputs).
 struct StepArgs {
@@ -1013,6 +1038,17 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
                        std::to_string(block) + " outside the pool's " + std::to_string(N) + " blocks");
     }
   }
+  const int64_t* slots = nullptr;
+  if (kv_write_in_op) {
+    if (t[5].dims[0] != T)
+      return invalid("slot_mapping " + dims_string(t[5].dims) + " does not match the step's " + std::to_string(T) +
+                     " tokens");
+    RETURN_IF_ERROR(data_of(t[5].value, &slots));
+    for (int64_t i = 0; i < T; ++i)
+      if (slots[i] < 0 || slots[i] >= N * B)
+        return invalid("slot_mapping[" + std::to_string(i) + "] = " + std::to_string(slots[i]) + " outside the pool's " +
+                       std::to_string(N * B) + " slots");
+  }
   float* output;
   RETURN_IF_ERROR(new_output(context, 0, {T, H, D}, &output));
   if (T == 0) return nullptr;
@@ -1037,11 +1073,19 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     StepArgs half_args = args;
     half_args.key = rounded.data();
     half_args.value = rounded.data() + n;
+    if (slots) {   // positions >= each sequence's context: none of them is read from the pool this step
+      write_pool_rows(rounded.data(), slots, T, Hkv * D, const_cast<uint16_t*>(key_cache));
+      write_pool_rows(rounded.data() + n, slots, T, Hkv * D, const_cast<uint16_t*>(value_cache));
+    }
     return run_step(context, half_args, key_cache, value_cache);
   }
   const float *key_cache, *value_cache;
   RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
   RETURN_IF_ERROR(data_of(t[4].value, &value_cache));
+  if (slots) {
+    write_pool_rows(key, slots, T, Hkv * D, const_cast<float*>(key_cache));
+    write_pool_rows(value, slots, T, Hkv * D, const_cast<float*>(value_cache));
+  }
   return run_step(context, args, key_cache, value_cache);
 }
 
@@ -1090,7 +1134,13 @@ OrtStatus* run_step(OrtKernelContext* context, const StepArgs& a, const KV* key_
 }
 
 OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
-  return new_kernel<Kernel>(kernel, [info](Kernel& k) { return float_attribute(info, "scale", &k.scale); });
+  return new_kernel<Kernel>(kernel, [info](Kernel& k) {
+    int64_t in_op = 0;
+    RETURN_IF_ERROR(optional_int_attribute(info, "kv_write_in_op", &in_op));
+    if (in_op != 0 && in_op != 1) return invalid("kv_write_in_op must be 0 or 1, got " + std::to_string(in_op));
+    k.kv_write_in_op = in_op == 1;
+    return float_attribute(info, "scale", &k.scale);
+  });
 }
 
 }  // namespace

@@ -10,10 +10,12 @@ Memory:
     num_kv_heads, head_dim]`` numpy arrays, float32 or float16 (build's kv_cache_dtype; float16
     halves the bytes a block holds and attention reads). Each layer's slice is bound once as an
     OrtValue sharing the array's memory; a step never copies the pool into or out of a
-    session. The graph reads only the blocks in the step's block tables and returns the
-    step's new K/V (``new_keys``/``new_values``, float32); :meth:`OnnxRuntimeRunner.execute`
-    stores them at ``slot_mapping`` with one numpy scatter per pool (rounded to nearest even
-    for float16 pools), so a step costs what it computes and attends, not what the pool holds.
+    session. The graph reads only the blocks in the step's block tables. With trtllm-lite's
+    kernels (the ``*.kernels.onnx`` graphs) each PagedAttention node stores the step's new K/V
+    at ``slot_mapping`` itself (``kv_write_in_op``); the plain graphs return them
+    (``new_keys``/``new_values``, float32) and :meth:`OnnxRuntimeRunner.execute` stores them
+    with one numpy scatter per pool (rounded to nearest even for float16 pools). Either way a
+    step costs what it computes and attends, not what the pool holds.
 """
 from __future__ import annotations
 
@@ -243,7 +245,9 @@ class OnnxRuntimeRunner:
         num_threads: intra-op threads (default: ``options``, else all cores).
         options: ONNX Runtime options (default :meth:`OrtOptions.from_env`).
     Raises:
-        ValueError: ``options.accuracy_level`` names a graph variant the engine lacks.
+        ValueError: ``options.accuracy_level`` names a graph variant the engine lacks, or
+            graphs whose PagedAttention nodes store the K/V (``kv_write_in_op``) would run
+            without trtllm-lite's kernels.
     """
 
     def __init__(self, engine: EngineDir, num_kv_blocks: int, num_threads: int | None = None,
@@ -275,6 +279,14 @@ class OnnxRuntimeRunner:
         self.graph_time_s = 0.0     # seconds spent inside session runs (host overhead = the rest)
         self._pool_values = []
         self._bindings = {}
+        # graphs whose PagedAttention nodes store the step's K/V themselves (the custom-kernel
+        # variants: builder.paged_attention.with_kv_write_in_op) return only the logits
+        self._stores_kv = {kind: "new_keys" in {o.name for o in sess.get_outputs()}
+                           for kind, sess in self.sessions.items()}
+        if not kernels and not all(self._stores_kv.values()):   # (only a hand-edited manifest gets here)
+            raise ValueError(f"engine {engine.path!r}: graphs {sorted(self.graph_files.values())} store the "
+                             f"step's K/V in their PagedAttention nodes, which only trtllm-lite's kernels do, "
+                             f"and they are not registered with the sessions")
         for kind, sess in self.sessions.items():
             binding = sess.io_binding()
             for i in range(self.num_layers):
@@ -295,14 +307,16 @@ class OnnxRuntimeRunner:
             binding.bind_cpu_input(name, getattr(inputs, name))
         if kind == "prefill":
             binding.bind_cpu_input("logits_indices", inputs.logits_indices)
-        for name in ("logits", "new_keys", "new_values"):
+        stores_kv = self._stores_kv[kind]
+        for name in ("logits", "new_keys", "new_values") if stores_kv else ("logits",):
             binding.bind_output(name, "cpu")
         t = time.perf_counter()
         self.sessions[kind].run_with_iobinding(binding, self._run_options_for(inputs))
         self.graph_time_s += time.perf_counter() - t
-        logits, new_keys, new_values = binding.get_outputs()
-        self._store_kv(inputs.slot_mapping, new_keys.numpy(), new_values.numpy())
-        return logits.numpy()
+        outputs = binding.get_outputs()
+        if stores_kv:
+            self._store_kv(inputs.slot_mapping, outputs[1].numpy(), outputs[2].numpy())
+        return outputs[0].numpy()
 
     def _run_options_for(self, inputs: StepInputs) -> ort.RunOptions:
         """Shrink the arena after calls whose padded attention scores may pass
