@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -210,6 +211,18 @@ def test_seed_error_gives_the_int64_fields_range(client):
     assert e.value.details().startswith("seed must be an integer in [0, 2**63)") and "uint64" not in e.value.details()
     assert "int64" in e.value.details() and e.value.details().endswith("got -3")
     assert client.complete("Hi", max_tokens=1, seed=2 ** 63 - 1).finished
+
+
+@pytest.mark.parametrize("kwargs,named", [(dict(max_tokens=2 ** 31), "max_tokens=2147483648"),
+                                          (dict(temperature="hot"), "temperature='hot'"),
+                                          (dict(stop=[1, 2]), "stop=[1, 2]")])
+def test_client_names_a_value_its_message_cannot_hold(client, kwargs, named):
+    """A value the request message cannot carry (past int32, a string for a float): the
+    client's ValueError names the parameter (protobuf's own says only "Value out of range";
+    QA 19), before anything is sent; the client goes on."""
+    with pytest.raises(ValueError, match=r"sampling parameter " + re.escape(named)):
+        client.complete("Hi", **kwargs)
+    assert client.complete("Hi", max_tokens=1).finished
 
 
 def test_missing_prompt_is_invalid_argument(client):

@@ -51,7 +51,8 @@ def sampling_message(**values) -> pb.SamplingParams:
     """A ``SamplingParams`` message from vLLM-named keyword arguments (None: unset).
 
     Raises:
-        ValueError: an unknown parameter name.
+        ValueError: an unknown parameter name, or a value the message's field cannot hold
+            (its type or range, e.g. ``max_tokens`` past int32), naming the parameter.
     """
     msg = pb.SamplingParams()
     for name, value in values.items():
@@ -59,12 +60,15 @@ def sampling_message(**values) -> pb.SamplingParams:
             continue
         if name not in SAMPLING_FIELDS:
             raise ValueError(f"unknown sampling parameter {name!r}")
-        if name in _MAP_FIELDS:
-            getattr(msg, name).update({int(k): float(v) for k, v in value.items()})
-        elif name in _REPEATED_FIELDS:
-            getattr(msg, name).extend([value] if isinstance(value, str) else value)
-        else:
-            setattr(msg, name, value)
+        try:
+            if name in _MAP_FIELDS:
+                getattr(msg, name).update({int(k): float(v) for k, v in value.items()})
+            elif name in _REPEATED_FIELDS:
+                getattr(msg, name).extend([value] if isinstance(value, str) else value)
+            else:
+                setattr(msg, name, value)
+        except (TypeError, ValueError, AttributeError) as e:   # protobuf's own messages name no field
+            raise ValueError(f"sampling parameter {name}={value!r:.100}: {e}") from None
     return msg
 
 
