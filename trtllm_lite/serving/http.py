@@ -242,6 +242,8 @@ class OpenAIServer:
         options = getattr(body, "stream_options", None)
         if options is not None and options.model_extra:
             ignored += [f"stream_options.{name}" for name in options.model_extra]
+        for i, message in enumerate(getattr(body, "messages", None) or ()):   # (the template gets role, content)
+            ignored += [f"messages[{i}].{name}" for name in message.model_extra or ()]
         if ignored:
             log.warning("request fields ignored (not part of the API): %s", ignored_fields_text(ignored))
 
