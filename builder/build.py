@@ -136,6 +136,10 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
          f"{cfg.num_heads}/{cfg.num_kv_heads} kv, {cfg.num_parameters / 1e6:.1f} M parameters "
          f"({time.time() - t0:.1f} s)")
     os.makedirs(output, exist_ok=True)
+    # engine.json is written last: a build stopped part way over an older engine leaves no
+    # manifest, so the directory reads as unfinished ("engine.json is missing"), not as the old engine
+    if os.path.isfile(os.path.join(output, MANIFEST)):
+        os.remove(os.path.join(output, MANIFEST))
     quantized = quantize_model(loaded, bc.quantization, bc.quant_block_size, bc.quant_symmetric,
                                bc.quantize_lm_head, bc.accuracy_level, log=_log)
     if quantized:   # record what "auto" chose

@@ -193,6 +193,29 @@ def test_unsupported_architecture_and_missing_tensor(tmp_path):
         load_hf_dir(d)
 
 
+def test_a_build_stopped_part_way_over_an_engine_leaves_no_manifest(tiny_model, tmp_path, monkeypatch):
+    """Rebuilding into an engine's directory and stopping part way (here: the export fails)
+    leaves the directory without engine.json, so loading it says it is unfinished instead of
+    reading the old manifest beside half-written files."""
+    import builder.build as build_module
+    from trtllm_lite.engine_dir import load_engine_dir
+
+    _, engine = tiny_model("llama-gqa")
+    copy = tmp_path / "engine"
+    shutil.copytree(engine, copy)
+    load_engine_dir(str(copy), verify_checksums=True)       # a whole engine first
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build_module, "export_graphs", stopped)
+    source = load_engine_dir(str(copy), verify_checksums=False).manifest["source"]["path"]
+    with pytest.raises(KeyboardInterrupt):
+        build_module.build_engine(source, str(copy), build_module.BuildConfig(max_seq_len=256, block_size=4))
+    with pytest.raises(EngineError, match="engine.json is missing"):
+        load_engine_dir(str(copy))
+
+
 @pytest.mark.parametrize("prompts", [42, None, 3.5])
 def test_prompts_of_the_wrong_type_are_a_type_error(smollm2_llm, prompts):
     with pytest.raises(TypeError, match="prompts"):
