@@ -213,6 +213,27 @@ def test_seed_error_gives_the_int64_fields_range(client):
     assert client.complete("Hi", max_tokens=1, seed=2 ** 63 - 1).finished
 
 
+def test_a_request_id_in_use_is_already_exists(server, client):
+    """A second request with the id of a running one: ALREADY_EXISTS naming the id (it was
+    INVALID_ARGUMENT; QA 20), counted as already_exists; the running one goes on unharmed."""
+    got = []
+
+    def consume():
+        got.extend(client.generate("Write an essay.", request_id="dup-1", max_tokens=60, ignore_eos=True))
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert wait_until(lambda: client.model_info().num_running == 1, timeout=30)
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete("Hi", request_id="dup-1", max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "'dup-1' is already in use" in e.value.details()
+    t.join(60)
+    assert got[-1].finished and got[-1].outputs[0].finish_reason == "length"
+    metrics = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=30).read().decode()
+    assert 'trtllm_lite_request_outcomes_total{outcome="already_exists"} 1.0' in metrics
+    assert wait_until(lambda: idle_blocks(client))
+
+
 @pytest.mark.parametrize("kwargs,named", [(dict(max_tokens=2 ** 31), "max_tokens=2147483648"),
                                           (dict(temperature="hot"), "temperature='hot'"),
                                           (dict(stop=[1, 2]), "stop=[1, 2]")])

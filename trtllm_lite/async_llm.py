@@ -42,6 +42,10 @@ class QueueFullError(OverflowError):
     """Too many requests wait to be scheduled (``max_waiting_requests``)."""
 
 
+class DuplicateRequestIdError(ValueError):
+    """A request's ``request_id`` is already in use (gRPC ALREADY_EXISTS, HTTP 409)."""
+
+
 class RequestTimeoutError(TimeoutError):
     """The request's deadline passed; it was aborted and its KV blocks freed."""
 
@@ -380,7 +384,7 @@ class AsyncLLM:
             raise ShuttingDownError("the engine is shutting down and accepts no new requests")
         rid = request.request_id
         if rid in self._streams or rid in self._aborting:
-            raise ValueError(f"request_id {rid!r} is already in use")
+            raise DuplicateRequestIdError(f"request_id {rid!r} is already in use")
         limit = self.max_waiting_requests
         if limit is not None and self.num_waiting_requests() >= limit:
             raise QueueFullError(f"waiting queue is full ({limit} requests wait to be scheduled)")

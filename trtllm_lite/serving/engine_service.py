@@ -12,7 +12,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Sequence
 
-from ..async_llm import (Admission, AsyncLLM, EngineDeadError, EngineStepError, QueueFullError,
+from ..async_llm import (Admission, AsyncLLM, DuplicateRequestIdError, EngineDeadError, EngineStepError, QueueFullError,
                          RequestTimeoutError, ShuttingDownError, tokenizing_size)
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -34,6 +34,7 @@ class ErrorKind(enum.Enum):
     INVALID_ARGUMENT = 400
     UNAUTHENTICATED = 401
     NOT_FOUND = 404
+    ALREADY_EXISTS = 409
     RESOURCE_EXHAUSTED = 429
     INTERNAL = 500
     UNAVAILABLE = 503
@@ -54,6 +55,8 @@ def classify(error: BaseException) -> ErrorKind:
         return ErrorKind.UNAVAILABLE
     if isinstance(error, (EngineDeadError, EngineStepError)):
         return ErrorKind.INTERNAL
+    if isinstance(error, DuplicateRequestIdError):
+        return ErrorKind.ALREADY_EXISTS
     if isinstance(error, (ValueError, TypeError)):
         return ErrorKind.INVALID_ARGUMENT
     return ErrorKind.INTERNAL

@@ -99,7 +99,7 @@ class Metrics:
                                          registry=r)
         self.request_outcomes = Counter(PREFIX + "request_outcomes",
                                         "Finished sequences by finish reason (stop, length, abort) and failed "
-                                        "requests by error (invalid_argument, resource_exhausted, "
+                                        "requests by error (invalid_argument, already_exists, resource_exhausted, "
                                         "deadline_exceeded, unavailable, internal, cancelled).",
                                         ["outcome"], registry=r)
         self._engine = _EngineCollector()
