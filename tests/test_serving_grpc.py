@@ -162,15 +162,19 @@ def test_50_cancellations_leak_nothing(client):
     assert client.complete("Hi", max_tokens=2).finished
 
 
-def test_abort_by_request_id_is_idempotent(server, client):
+def running_stream(client, request_id: str, max_tokens: int) -> tuple[threading.Thread, list]:
+    """An essay streamed by ``client`` on a thread, returned once the server runs it: (the
+    thread, the list its responses go to)."""
     got = []
-
-    def consume():
-        got.extend(client.generate("Write an essay.", request_id="essay-1", max_tokens=400, ignore_eos=True))
-
-    t = threading.Thread(target=consume)
+    t = threading.Thread(target=lambda: got.extend(client.generate(
+        "Write an essay.", request_id=request_id, max_tokens=max_tokens, ignore_eos=True)))
     t.start()
     assert wait_until(lambda: client.model_info().num_running == 1, timeout=30)
+    return t, got
+
+
+def test_abort_by_request_id_is_idempotent(server, client):
+    t, got = running_stream(client, "essay-1", 400)
     assert client.abort("essay-1") is True
     assert client.abort("essay-1") is False          # its abort is already under way
     t.join(30)
@@ -216,14 +220,7 @@ def test_seed_error_gives_the_int64_fields_range(client):
 def test_a_request_id_in_use_is_already_exists(server, client):
     """A second request with the id of a running one: ALREADY_EXISTS naming the id (it was
     INVALID_ARGUMENT; QA 20), counted as already_exists; the running one goes on unharmed."""
-    got = []
-
-    def consume():
-        got.extend(client.generate("Write an essay.", request_id="dup-1", max_tokens=60, ignore_eos=True))
-
-    t = threading.Thread(target=consume)
-    t.start()
-    assert wait_until(lambda: client.model_info().num_running == 1, timeout=30)
+    t, got = running_stream(client, "dup-1", 60)
     with pytest.raises(grpc.RpcError) as e:
         client.complete("Hi", request_id="dup-1", max_tokens=2)
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "'dup-1' is already in use" in e.value.details()
