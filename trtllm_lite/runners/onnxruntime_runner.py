@@ -167,9 +167,9 @@ def graph_files(engine: EngineDir, accuracy_level: int | None = None,
                 custom_kernels: bool = False) -> dict[str, str]:
     """``kind -> graph file`` for the requested MatMulNBits accuracy level; with
     ``custom_kernels`` (trtllm-lite's kernels are registered with the sessions), the graphs
-    whose PagedAttention nodes take no metadata inputs where the engine has them (built for
-    the onnxruntime backend at its own accuracy level: ``builder.paged_attention.
-    without_attention_metadata``).
+    whose PagedAttention nodes take no metadata inputs and store the step's K/V themselves,
+    where the engine has them (built for the onnxruntime backend at its own accuracy level:
+    ``builder.paged_attention.without_attention_metadata`` and ``with_kv_write_in_op``).
 
     Raises:
         ValueError: the engine was not built with a graph variant for that level.
