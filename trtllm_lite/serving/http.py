@@ -244,6 +244,8 @@ class OpenAIServer:
             ignored += [f"stream_options.{name}" for name in options.model_extra]
         for i, message in enumerate(getattr(body, "messages", None) or ()):   # (the template gets role, content)
             ignored += [f"messages[{i}].{name}" for name in message.model_extra or ()]
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                ignored += [f"messages[{i}].content[{j}].{name}" for name in part.model_extra or ()]
         if ignored:
             log.warning("request fields ignored (not part of the API): %s", ignored_fields_text(ignored))
 
