@@ -444,6 +444,17 @@ def test_stop_lists_past_the_bad_words_limits_are_400_naming_stop(server, smollm
     assert error["param"] == "stop" and error["message"].startswith(message), error
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stop", [5, {"a": 1}, True])
+def test_stop_of_no_accepted_form_is_400_listing_the_forms(server, route, stop):
+    """``stop`` that is neither a string nor a list of strings: a 400 naming stop and both
+    forms (it said only "Input should be a valid string"; QA 20)."""
+    body = {"prompt": "Hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = httpx.post(f"http://{server.http}{route}", json={**body, "max_tokens": 2, "stop": stop}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+    assert r.json()["error"]["message"] == "stop: must be a string or a list of strings", r.text
+
+
 @pytest.mark.parametrize("prompt", [[1, "a"], 5, [1.5], {"a": 1}])
 def test_prompt_of_no_accepted_form_is_400_listing_the_forms(server, prompt):
     r = httpx.post(f"http://{server.http}/v1/completions", json={"model": "smollm2", "prompt": prompt}, timeout=30)

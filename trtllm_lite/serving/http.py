@@ -219,8 +219,9 @@ class OpenAIServer:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         path = [loc[0]] + [x for x in loc[1:] if x.isdigit() or x in oa.FIELD_NAMES] if loc else []
         message = f"{'.'.join(path) or 'body'}: {msg}"
-        if loc and loc[0] == "prompt" and len(loc) > 1 and not loc[1].isdigit():   # no member of the union fits
-            message = f"prompt: {oa.PROMPT_FORMS}"
+        forms = {"prompt": oa.PROMPT_FORMS, "stop": oa.STOP_FORMS}
+        if loc and loc[0] in forms and len(loc) > 1 and not loc[1].isdigit():   # no member of the union fits
+            message = f"{loc[0]}: {forms[loc[0]]}"
         return JSONResponse(oa.error_body(400, message, loc[0] if loc else None), status_code=400)
 
     @staticmethod

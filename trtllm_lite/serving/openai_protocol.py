@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..sampling_params import MAX_LOGPROBS
 
 
+STOP_FORMS = "must be a string or a list of strings"
 PROMPT_FORMS = ("must be a string, a list of strings, a list of token ids (integers) or a list of lists "
                 "of token ids")   # a completion prompt's accepted forms, for errors
 
