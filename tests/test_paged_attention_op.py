@@ -189,6 +189,9 @@ PREFILL_CASES = [c for c in CASES if set(c[5]) != {1}] + [
     (9, 3, 64, 16, [20, 0, 33, 16, 0, 1, 47, 64, 5, 200, 90, 9, 130],
      [1, 12, 1, 1, 1, 1, 5, 1, 1, 1, 1, 1, 30]),
     (6, 2, 16, 4, [5, 0, 17], [1, 3, 1]),          # two decodes: the chunked decode path
+    # the AVX-512 tiles (head_dim a multiple of 16): 33 rows (a 32-row and a padded 16-row
+    # score tile; value tiles across 16-row groups), a cached context beside the causal part
+    (9, 3, 64, 16, [70, 0], [11, 6]),
 ]
 
 
