@@ -527,6 +527,9 @@ def test_bad_json_is_400(server):
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] is None
     assert "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"http://{server.http}/v1/completions", content=b"", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "the body is empty" in r.json()["error"]["message"], r.text
 
 
 def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smollm2_llm):

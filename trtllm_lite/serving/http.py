@@ -211,6 +211,9 @@ class OpenAIServer:
             at = f" at character {loc[0]}" if loc else ""
             return JSONResponse(oa.error_body(400, f"the body is not valid JSON{at}: {msg}"), status_code=400)
         content_type = request.headers.get("content-type", "")
+        if list(err.get("loc", ())) == ["body"] and err.get("type") == "missing" and "json" in content_type:
+            return JSONResponse(oa.error_body(400, "the body is empty: send a JSON object of the request's "
+                                                   "fields"), status_code=400)
         if list(err.get("loc", ())) == ["body"] and "json" not in content_type:   # e.g. curl -d: a form body
             return JSONResponse(oa.error_body(400, f"the body must be a JSON object sent as application/json "
                                                    f"(Content-Type here: {content_type or 'none'})"), status_code=400)
