@@ -530,6 +530,10 @@ def test_bad_json_is_400(server):
     r = httpx.post(f"http://{server.http}/v1/completions", content=b"", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "the body is empty" in r.json()["error"]["message"], r.text
+    for body, content_type in ((b" \t\r\n", "application/json"), (b"", "APPLICATION/JSON")):   # (QA 21)
+        r = httpx.post(f"http://{server.http}/v1/chat/completions", content=body, timeout=30,
+                       headers={"content-type": content_type})
+        assert r.status_code == 400 and "the body is empty" in r.json()["error"]["message"], r.text
 
 
 def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smollm2_llm):

@@ -56,6 +56,9 @@ class NotFound(LookupError):
     pass
 
 
+_EMPTY_BODY = "the body is empty: send a JSON object of the request's fields"
+
+
 def error_response(e: BaseException) -> JSONResponse:
     """The OpenAI error object and HTTP status of an exception raised serving a request."""
     status = 404 if isinstance(e, NotFound) else classify(e).http
@@ -207,13 +210,14 @@ class OpenAIServer:
         err = (exc.errors() or [{}])[0]
         msg = err.get("msg", "invalid request")
         if err.get("type") == "json_invalid":
+            if isinstance(exc.body, str) and not exc.body.strip():   # (FastAPI's body here: the text it decoded)
+                return JSONResponse(oa.error_body(400, _EMPTY_BODY), status_code=400)
             loc = [x for x in err.get("loc", ()) if x != "body"]
             at = f" at character {loc[0]}" if loc else ""
             return JSONResponse(oa.error_body(400, f"the body is not valid JSON{at}: {msg}"), status_code=400)
-        content_type = request.headers.get("content-type", "")
+        content_type = request.headers.get("content-type", "").lower()   # (media types are case-insensitive)
         if list(err.get("loc", ())) == ["body"] and err.get("type") == "missing" and "json" in content_type:
-            return JSONResponse(oa.error_body(400, "the body is empty: send a JSON object of the request's "
-                                                   "fields"), status_code=400)
+            return JSONResponse(oa.error_body(400, _EMPTY_BODY), status_code=400)
         if list(err.get("loc", ())) == ["body"] and "json" not in content_type:   # e.g. curl -d: a form body
             return JSONResponse(oa.error_body(400, f"the body must be a JSON object sent as application/json "
                                                    f"(Content-Type here: {content_type or 'none'})"), status_code=400)
