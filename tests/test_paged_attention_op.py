@@ -172,9 +172,9 @@ DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
 ]
 
 PREFILL_CASES = [c for c in CASES if set(c[5]) != {1}] + [
-    # steps where a sequence computes several tokens: query tiles (128 / group tokens), key
-    # chunks of 64 (four 16-key segments; a block of 40 or 17 rows split across them), the
-    # causal part over the step's own tokens, decodes in the same step
+    # steps where a sequence computes several tokens: query tiles (128 / group tokens; 96 /
+    # group on AVX-512), key chunks of 64 (four 16-key segments; a block of 40 or 17 rows split
+    # across them), the causal part over the step's own tokens, decodes in the same step
     (9, 3, 64, 16, [0], [300]),                    # a long fresh prompt: several tiles
     (9, 3, 64, 16, [130], [77]),                   # a prompt chunk after a cached context
     (16, 2, 128, 16, [50, 0], [40, 1]),            # head_dim 128, GQA 8, a decode beside it
