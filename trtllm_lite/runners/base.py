@@ -73,11 +73,9 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
     starts = np.fromiter((s.start for s in seqs), np.int64, len(seqs))
     qsl = np.zeros(len(seqs) + 1, np.int64)
     np.cumsum(query_lens, out=qsl[1:])
-    width = max(len(s.block_table) for s in seqs)
-    block_tables = np.zeros((len(seqs), width), np.int64)
+    block_tables = _block_tables(seqs)
     input_ids = []
-    for i, s in enumerate(seqs):
-        block_tables[i, :len(s.block_table)] = s.block_table
+    for s in seqs:
         input_ids.extend(s.token_ids[s.start:s.start + s.num_new_tokens])
     seq_of_token = np.repeat(np.arange(len(seqs)), query_lens)
     positions = np.arange(int(qsl[-1]), dtype=np.int64) - np.repeat(qsl[:-1] - starts, query_lens)
@@ -91,15 +89,20 @@ def build_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
                       starts, qsl, logits_indices)
 
 
+def _block_tables(seqs: list[ScheduledSeq]) -> np.ndarray:
+    """The sequences' block tables, ``[S, longest] int64``, zero-padded."""
+    block_tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), np.int64)
+    for i, s in enumerate(seqs):
+        block_tables[i, :len(s.block_table)] = s.block_table
+    return block_tables
+
+
 def _decode_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
     """build_step_inputs for a step of decodes only (one new token and its logits each), in
     fewer numpy calls: token i is sequence i's (batch 1, warm: 18.6 -> 6.9 us a call)."""
     n = len(seqs)
     positions = np.fromiter((s.start for s in seqs), np.int64, n)
-    width = max(len(s.block_table) for s in seqs)
-    block_tables = np.zeros((n, width), np.int64)
-    for i, s in enumerate(seqs):
-        block_tables[i, :len(s.block_table)] = s.block_table
+    block_tables = _block_tables(seqs)
     slot_mapping = block_tables[np.arange(n), positions // block_size] * block_size + positions % block_size
     input_ids = np.fromiter((s.token_ids[s.start] for s in seqs), np.int64, n)
     rows = np.arange(n + 1, dtype=np.int64)
