@@ -817,6 +817,19 @@ void for_each_key_chunk(const PrefillStep<KV>& st, int64_t s, int64_t h, int64_t
   }
 }
 
+// A tile's outputs: row r (token j0 + r / group, query head h * group + r % group) is its
+// unnormalized output acc [rows, d] over its sum of exponentials.
+template <typename KV>
+inline void write_tile_outputs(const PrefillStep<KV>& st, int64_t s, int64_t h, int64_t j0, int64_t rows, int64_t d,
+                               const float* acc, const float* sums) {
+  const int64_t group = st.num_heads / st.num_kv_heads, q0 = st.query_start_loc[s];
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = st.output + ((q0 + j0 + r / group) * st.num_heads + h * group + r % group) * d;
+    const float inv = 1.0f / sums[r];
+    for (int64_t x = 0; x < d; ++x) out[x] = acc[r * d + x] * inv;
+  }
+}
+
 #ifdef __AVX512F__
 // AVX-512 tiles, head_dim D = 16 * NV: a flash-attention tile (FlashAttention-2, Dao 2023: the
 // online softmax over key chunks) laid out for 16-float registers. The tile's queries are held
@@ -964,11 +977,7 @@ void attend_tile16(const PrefillStep<KV>& st, int64_t s, int64_t h, int64_t j0) 
   std::fill(t.maxes, t.maxes + rp, -3.0e38f);
   std::fill(t.sums, t.sums + rp, 0.0f);
   for_each_key_chunk(st, s, h, j1, [&](const auto& chunk) { attend_chunk16<NV>(t, chunk); });
-  for (int64_t r = 0; r < rows; ++r) {
-    float* out = st.output + ((q0 + j0 + r / group) * st.num_heads + h * group + r % group) * D;
-    const float inv = 1.0f / t.sums[r];
-    for (int64_t x = 0; x < D; ++x) out[x] = t.acc[r * D + x] * inv;
-  }
+  write_tile_outputs(st, s, h, j0, rows, D, t.acc, t.sums);
 }
 #endif
 
@@ -1001,11 +1010,7 @@ void attend_tile(const PrefillStep<KV>& st, int64_t s, int64_t h, int64_t j0) {
     else
       attend_chunk(t, chunk);
   });
-  for (int64_t r = 0; r < rows; ++r) {
-    float* out = st.output + ((q0 + j0 + r / group) * st.num_heads + h * group + r % group) * d;
-    const float inv = 1.0f / t.sums[r];
-    for (int64_t x = 0; x < d; ++x) out[x] = t.acc[r * d + x] * inv;
-  }
+  write_tile_outputs(st, s, h, j0, rows, d, t.acc, t.sums);
 }
 
 template <typename KV>
