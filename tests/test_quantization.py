@@ -154,6 +154,22 @@ def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, cas
     assert ("MatMulNBits" in ran) is (op_library is None)
 
 
+@pytest.mark.parametrize("case", [(4, 32, False), ("split", 8, 32, False)], ids=["int4", "split8"])
+def test_quantized_linear_batch1_streams_cover_every_group(op_library, case):
+    """Batch 1 over a weight large enough to be shared by the threads (46 16-row groups, the
+    last partial; > 64 KiB): each thread reads its contiguous range of groups as several
+    interleaved streams (gemv_groups_vnni), parts of unequal length; every output row must
+    still be x @ dequant(W)^T (float64)."""
+    n, k = 16 * 45 + 7, 256
+    w = random_weight(n, k=k)
+    q = quantize_weight(w, *case[1:]) if case[0] == "split" else quantize_weight(w, *case)
+    q = split_8bit(q) if case[0] == "split" else q
+    x = np.random.default_rng(5).standard_normal((1, q.k)).astype(np.float32)
+    expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    got, _ = run_linear(q, x, library=op_library)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_quantized_linear_batch1_common_part_with_outlier_weights(op_library, rows):
     """x with a large common part (1e3 + N(0, 1)) against 256-wide asymmetric blocks of small

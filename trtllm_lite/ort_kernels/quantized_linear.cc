@@ -85,7 +85,8 @@ constexpr int64_t kTileRows = 8;    // rows of x per register tile (M > 1)
 constexpr int64_t kRowsPerItem = 64;
 constexpr int64_t kChunkBytes = 64;  // one vector: 16 rows x 8 columns of 4-bit codes
 constexpr int64_t kPrefetchBytes = 8192;   // the batch-1 loops (VNNI, AVX2): L2 prefetch distance
-constexpr int kPlanes = 4;   // bytes of x's 32-bit integers (gemv_group_vnni)
+constexpr int kPlanes = 4;   // bytes of x's 32-bit integers (gemv_groups_vnni)
+constexpr int64_t kStreams = 4;   // the batch-1 VNNI loop's weight streams per work item
 
 // Every node's repacked weights come from shared slabs, 2 MiB-aligned, that ask the kernel for
 // transparent 2 MiB pages (madvise; advice only): the weights are streamed whole every step, and
@@ -205,6 +206,7 @@ struct Step {
                                 // the loops read it (not 0 where the mean is inexact)
   const uint8_t* planes;   // M = 1 (VNNI): [nb][4][chunks * 8] the byte planes of C + 2^31
   const float* factors;    // VNNI, M = 1: [nb][2] 2^-s_b as two factors
+  int64_t range_items;     // VNNI, M = 1: work items, each a contiguous range of groups
   const int32_t* pairs;    // AVX2, M <= 4: [rows][nb * width] x's int16 pairs (x_pairs_avx2)
   const double* block_terms;   // AVX2, M <= 4: [rows][nb][2] 2^-s_b and sum_k C_k (x_pairs_avx2)
   float* y;            // [M, N]
@@ -301,7 +303,7 @@ inline void center_blocks(const float* x, int64_t nb, int64_t block_size, float*
 // A value of x at 2^-7 of its block's largest or more converts exactly (float32 holds 24
 // bits); smaller ones round to 2^-32 of the largest. A block with a NaN or infinity gets factor
 // NaN, so its outputs are NaN as float32 arithmetic's would be. sums[b] = sum_k C_k 2^-s_b (the
-// integers' exact sum, rounded once): not 0 where the mean is inexact (gemv_group_vnni adds the
+// integers' exact sum, rounded once): not 0 where the mean is inexact (gemv_groups_vnni adds the
 // block's offset times it).
 inline void integer_planes(const float* x, int64_t nb, int64_t block_size, int64_t width, float* means,
                            uint8_t* planes, float* factors, float* sums) {
@@ -357,62 +359,84 @@ inline __m512i broadcast4(const uint8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// M = 1 with VNNI: one 16-row group on x's integer planes (file comment). Every line of the
-// group's weights is prefetched into L2 kPrefetchBytes ahead: SmolLM2 int4 batch 1 on a 2-core
-// Xeon VM went ~140 -> ~180 -> ~222 tokens/s at 0 / 2 / 8 KiB (flat to 32 KiB; the hardware
-// prefetcher alone keeps too few lines in flight there; into L1: no better, non-temporal:
-// half the speed). 4-bit chunks: three logic ops and nine vpdpbusd per 128 weights; 8-bit
-// (signed bytes): five vpdpbusd per 64.
-template <bool HALF, int BITS>
-void gemv_group_vnni(const Step& st, int64_t group) {
-  const Packed& w = *st.w;
-  const int64_t width = w.width();
-  const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+// Block b's share of a group's y (acc, acc_means) from its exact integer sums per row:
+// a_i = sum_k plane_i[k] q[:, k] (x's byte planes) and q = sum_k q[:, k]; p: the block.
+template <bool HALF>
+inline void add_block_sums(const Step& st, const Packed& w, const uint8_t* p, int64_t b, __m512i a0, __m512i a1,
+                           __m512i a2, __m512i a3, __m512i q, __m512& acc, __m512& acc_means) {
+  __m512 scale, offset;
+  load_scale_offset<HALF>(p + w.code_bytes(), &scale, &offset);
+  const __m512 codes_sum = _mm512_cvtepi32_ps(q);
+  const __m512 top = _mm512_cvtepi32_ps(_mm512_sub_epi32(a3, _mm512_slli_epi32(q, 7)));   // C's bias removed
+  const __m512 t = _mm512_fmadd_ps(
+      top, _mm512_set1_ps(16777216.0f),
+      _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(65536.0f),
+                      _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(a0))));
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(st.factors[2 * b])),
+                        _mm512_mul_ps(scale, _mm512_set1_ps(st.factors[2 * b + 1])), acc);
   const __m512 block_size = _mm512_set1_ps(static_cast<float>(w.block_size));
-  __m512 acc = _mm512_setzero_ps(), acc_means = _mm512_setzero_ps();
-  for (int64_t b = 0; b < w.nb; ++b) {
-    const uint8_t* p = w.block(group, b);
-    const uint8_t* x0 = st.planes + b * kPlanes * width;
-    const uint8_t *x1 = x0 + width, *x2 = x1 + width, *x3 = x2 + width;
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, q = a0;
-    for (int64_t j = 0; j < w.chunks(); ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + j * kChunkBytes + kPrefetchBytes), _MM_HINT_T1);
-      const __m512i v = load_chunk(p + j * kChunkBytes);
-      if (BITS == 8) {   // codes are signed bytes: x's unsigned planes times them as they are
-        a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 4 * j), v);
-        a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 4 * j), v);
-        a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 4 * j), v);
-        a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 4 * j), v);
-        q = _mm512_dpbusd_epi32(q, ones, v);
-        continue;
+  const __m512 weight_sum = _mm512_fmadd_ps(scale, codes_sum, _mm512_mul_ps(block_size, offset));
+  acc_means = _mm512_fmadd_ps(weight_sum, _mm512_set1_ps(st.means[b]), acc_means);
+  acc_means = _mm512_fmadd_ps(offset, _mm512_set1_ps(st.centered_sums[b]), acc_means);
+}
+
+// M = 1 with VNNI: the 16-row groups [first, last) on x's integer planes (file comment), read
+// as kStreams streams: the range in kStreams parts, block b of one group of each part, then
+// block b + 1, ... A core keeps more lines in flight over several streams than over one
+// (measured on a 2-core Xeon VM: a plain read of 512 MB at 19 GB/s as one stream per core, 23-30
+// as four; this loop over 168 MB: 18-19 -> 23-26 GB/s). Every line of a group's weights is
+// prefetched into L2 kPrefetchBytes ahead: SmolLM2 int4 batch 1 on a 2-core Xeon VM went ~140 ->
+// ~180 -> ~222 tokens/s at 0 / 2 / 8 KiB (flat to 32 KiB; the hardware prefetcher alone keeps
+// too few lines in flight there; into L1: no better, non-temporal: half the speed). 4-bit
+// chunks: three logic ops and nine vpdpbusd per 128 weights; 8-bit (signed bytes): five
+// vpdpbusd per 64.
+template <bool HALF, int BITS>
+void gemv_groups_vnni(const Step& st, int64_t first, int64_t last) {
+  const Packed& w = *st.w;
+  const int64_t width = w.width(), per_stream = (last - first + kStreams - 1) / kStreams;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+  for (int64_t i = 0; i < per_stream; ++i) {
+    int64_t groups[kStreams];
+    int live = 0;
+    for (int64_t part = 0; part < kStreams; ++part)
+      if (first + part * per_stream + i < last) groups[live++] = first + part * per_stream + i;
+    __m512 acc[kStreams], acc_means[kStreams];
+    for (int s = 0; s < live; ++s) acc[s] = acc_means[s] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const uint8_t* x0 = st.planes + b * kPlanes * width;
+      const uint8_t *x1 = x0 + width, *x2 = x1 + width, *x3 = x2 + width;
+      for (int s = 0; s < live; ++s) {
+        const uint8_t* p = w.block(groups[s], b);
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, q = a0;
+        for (int64_t j = 0; j < w.chunks(); ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(p + j * kChunkBytes + kPrefetchBytes), _MM_HINT_T1);
+          const __m512i v = load_chunk(p + j * kChunkBytes);
+          if (BITS == 8) {   // codes are signed bytes: x's unsigned planes times them as they are
+            a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 4 * j), v);
+            a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 4 * j), v);
+            a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 4 * j), v);
+            a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 4 * j), v);
+            q = _mm512_dpbusd_epi32(q, ones, v);
+            continue;
+          }
+          const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 8 * j), lo);
+          a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 8 * j), lo);
+          a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 8 * j), lo);
+          a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 8 * j), lo);
+          a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 8 * j + 4), hi);
+          a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 8 * j + 4), hi);
+          a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 8 * j + 4), hi);
+          a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 8 * j + 4), hi);
+          q = _mm512_dpbusd_epi32(q, ones, _mm512_add_epi8(lo, hi));
+        }
+        _mm_prefetch(reinterpret_cast<const char*>(p + w.code_bytes() + kPrefetchBytes), _MM_HINT_T1);
+        add_block_sums<HALF>(st, w, p, b, a0, a1, a2, a3, q, acc[s], acc_means[s]);
       }
-      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 8 * j), lo);
-      a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 8 * j), lo);
-      a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 8 * j), lo);
-      a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 8 * j), lo);
-      a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 8 * j + 4), hi);
-      a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 8 * j + 4), hi);
-      a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 8 * j + 4), hi);
-      a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 8 * j + 4), hi);
-      q = _mm512_dpbusd_epi32(q, ones, _mm512_add_epi8(lo, hi));
     }
-    _mm_prefetch(reinterpret_cast<const char*>(p + w.code_bytes() + kPrefetchBytes), _MM_HINT_T1);
-    __m512 scale, offset;
-    load_scale_offset<HALF>(p + w.code_bytes(), &scale, &offset);
-    const __m512 codes_sum = _mm512_cvtepi32_ps(q);
-    const __m512 top = _mm512_cvtepi32_ps(_mm512_sub_epi32(a3, _mm512_slli_epi32(q, 7)));   // C's bias removed
-    const __m512 t = _mm512_fmadd_ps(
-        top, _mm512_set1_ps(16777216.0f),
-        _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(65536.0f),
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(a0))));
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(st.factors[2 * b])),
-                          _mm512_mul_ps(scale, _mm512_set1_ps(st.factors[2 * b + 1])), acc);
-    const __m512 weight_sum = _mm512_fmadd_ps(scale, codes_sum, _mm512_mul_ps(block_size, offset));
-    acc_means = _mm512_fmadd_ps(weight_sum, _mm512_set1_ps(st.means[b]), acc_means);
-    acc_means = _mm512_fmadd_ps(offset, _mm512_set1_ps(st.centered_sums[b]), acc_means);
+    for (int s = 0; s < live; ++s)
+      _mm512_mask_storeu_ps(st.y + groups[s] * kLanes, lanes_mask(w, groups[s]), _mm512_add_ps(acc[s], acc_means[s]));
   }
-  _mm512_mask_storeu_ps(st.y + group * kLanes, lanes_mask(w, group), _mm512_add_ps(acc, acc_means));
 }
 #endif
 
@@ -908,8 +932,11 @@ void run_item(void* user, size_t item) {
   if (st.rows == 1) {
     const int64_t group = static_cast<int64_t>(item);
 #ifdef TRTLLM_LITE_VNNI
-    if (w.bits == 8) return w.half ? gemv_group_vnni<true, 8>(st, group) : gemv_group_vnni<false, 8>(st, group);
-    return w.half ? gemv_group_vnni<true, 4>(st, group) : gemv_group_vnni<false, 4>(st, group);
+    // item: a contiguous range of groups
+    const int64_t first = w.groups * group / st.range_items, last = w.groups * (group + 1) / st.range_items;
+    if (w.bits == 8)
+      return w.half ? gemv_groups_vnni<true, 8>(st, first, last) : gemv_groups_vnni<false, 8>(st, first, last);
+    return w.half ? gemv_groups_vnni<true, 4>(st, first, last) : gemv_groups_vnni<false, 4>(st, first, last);
 #else
     if (w.bits == 8) return w.half ? gemv_group<true, 8>(st, group) : gemv_group<false, 8>(st, group);
     return w.half ? gemv_group<true, 4>(st, group) : gemv_group<false, 4>(st, group);
@@ -1181,9 +1208,12 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   }
 #endif
   const int64_t row_items = gemv_rows(st) ? 1 : (st.rows + kRowsPerItem - 1) / kRowsPerItem;
-  const int64_t items = row_items * group_items(st);
+  int64_t items = row_items * group_items(st);
   // one thread below ~64 KiB of weights at batch 1 (waking the pool costs more than it saves)
   const bool serial = st.rows * packed.groups * packed.nb * packed.block_bytes() < (64 << 10);
+#ifdef TRTLLM_LITE_VNNI
+  if (st.rows == 1) items = st.range_items = serial ? 1 : std::min(packed.groups, static_cast<int64_t>(available_cores()));
+#endif
   // even items: one contiguous range of groups per core
   return parallel_for(context, run_item, static_cast<size_t>(items), &st, serial,
                       std::min(static_cast<size_t>(items), available_cores()));
