@@ -395,6 +395,12 @@ void gemv_groups_vnni(const Step& st, int64_t first, int64_t last) {
   const Packed& w = *st.w;
   const int64_t width = w.width(), per_stream = (last - first + kStreams - 1) / kStreams;
   const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+  // the first kPrefetchBytes of each stream, which the loop's prefetches run ahead of
+  for (int64_t part = 0; part < kStreams && first + part * per_stream < last; ++part) {
+    const uint8_t* start = w.block(first + part * per_stream, 0);
+    for (int64_t line = 0; line < kPrefetchBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(start + line), _MM_HINT_T1);
+  }
   for (int64_t i = 0; i < per_stream; ++i) {
     int64_t groups[kStreams];
     int live = 0;
