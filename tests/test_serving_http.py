@@ -523,6 +523,10 @@ def test_more_prompts_than_the_queue_holds_is_400_naming_prompt(server):
 
 
 def test_bad_json_is_400(server):
+    r = httpx.post(f"http://{server.http}/v1/completions", content=b'{"prompt": "caf\xe9", "max_tokens": 1}',
+                   timeout=30, headers={"content-type": "application/json"})   # Latin-1, not UTF-8 (QA 21)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("the body is not valid UTF-8 (JSON must be UTF-8): byte 15")
     r = httpx.post(f"http://{server.http}/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] is None

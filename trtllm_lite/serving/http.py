@@ -233,8 +233,15 @@ class OpenAIServer:
 
     @staticmethod
     async def _http_error(request, exc: StarletteHTTPException):
-        """Unknown route (404), wrong method (405), ...: the OpenAI error shape too."""
+        """Unknown route (404), wrong method (405), ...: the OpenAI error shape too. A body
+        FastAPI cannot decode (its generic 400 "There was an error parsing the body") is
+        named: JSON must be UTF-8 (RFC 8259 section 8.1)."""
         message = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 400:
+            try:
+                (await request.body()).decode("utf-8")
+            except UnicodeDecodeError as e:
+                message = f"the body is not valid UTF-8 (JSON must be UTF-8): byte {e.start}: {e.reason}"
         return JSONResponse(oa.error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
