@@ -526,7 +526,13 @@ def test_bad_json_is_400(server):
     r = httpx.post(f"http://{server.http}/v1/completions", content=b'{"prompt": "caf\xe9", "max_tokens": 1}',
                    timeout=30, headers={"content-type": "application/json"})   # Latin-1, not UTF-8 (QA 21)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"].startswith("the body is not valid UTF-8 (JSON must be UTF-8): byte 15")
+    assert r.json()["error"]["message"] == "the body is not valid UTF-8: byte 15: invalid continuation byte"
+    for body, reason in ((b'{"max_tokens": ' + b"9" * 5000 + b"}", "integer string conversion"),
+                         (b"[" * 100_000, "recursion")):   # (QA 22: FastAPI's generic 400 before)
+        r = httpx.post(f"http://{server.http}/v1/completions", content=body, timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("the body could not be read as JSON")
+        assert reason in r.json()["error"]["message"], r.text
     r = httpx.post(f"http://{server.http}/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import math
 import socket
@@ -235,13 +236,18 @@ class OpenAIServer:
     async def _http_error(request, exc: StarletteHTTPException):
         """Unknown route (404), wrong method (405), ...: the OpenAI error shape too. A body
         FastAPI cannot decode (its generic 400 "There was an error parsing the body") is
-        named: JSON must be UTF-8 (RFC 8259 section 8.1)."""
+        named: bytes that are not UTF-8 (RFC 8259 section 8.1; Python's JSON reader also takes
+        UTF-16 and UTF-32 with their byte order marks), or what Python's JSON reader refused
+        (a number past its 4,300 digits, nesting past its recursion limit)."""
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        if exc.status_code == 400:
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            body = await request.body()
             try:
-                (await request.body()).decode("utf-8")
+                json.loads(body)
             except UnicodeDecodeError as e:
-                message = f"the body is not valid UTF-8 (JSON must be UTF-8): byte {e.start}: {e.reason}"
+                message = f"the body is not valid UTF-8: byte {e.start}: {e.reason}"
+            except (ValueError, RecursionError) as e:
+                message = f"the body could not be read as JSON: {str(e)[:200]}"
         return JSONResponse(oa.error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
