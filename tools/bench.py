@@ -18,7 +18,11 @@ llama.cpp joins when ``llama-cpp-python`` is installed; it builds from source (~
 2 cores; the local package index has the sdist)::
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DLLAMA_CURL=OFF" \
-        pip install llama-cpp-python
+        pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python
+
+(without ``GGML_NATIVE=OFF`` the build targets the host CPU, and on the Xeon VM with AMX that
+build's AMX matrix kernel died with SIGILL at its first ``tilezero``: the peer then fails and
+the report says so).
 
 Writes ``docs/benchmarks_cpu.json``, ``docs/benchmarks_cpu.png`` and the generated section of
 ``docs/benchmarks.md`` (between the ``bench.py`` markers; other sections are kept).
@@ -119,21 +123,39 @@ def make_spec(args, engine_fp32: str) -> dict:
 
 
 def run_worker(name: str, system: str, spec_path: str, target: str | None, full: bool,
-               env: dict | None = None, timeout: int = 3600) -> dict | None:
-    """Run one worker process; return its result (``None`` with a logged reason on failure)."""
+               env: dict | None = None, timeout: int = 3600, failures: list | None = None) -> dict | None:
+    """Run one worker process; return its result (``None`` on failure: the reason is logged and
+    appended to ``failures``, the worker's exit status or the signal that ended it first)."""
     out = os.path.join(os.path.dirname(spec_path), f"{name}.json")
-    cmd = [sys.executable, os.path.join(TOOLS, "bench.py"), "--worker", system, "--spec", spec_path,
-           "--out", out] + (["--target", target] if target else []) + ([] if full else ["--quick"])
+    # -X faulthandler: a crash in a peer's native code (llama.cpp) prints the Python stack
+    cmd = [sys.executable, "-X", "faulthandler", os.path.join(TOOLS, "bench.py"), "--worker", system,
+           "--spec", spec_path, "--out", out] + (["--target", target] if target else []) + ([] if full else ["--quick"])
     log(f"{name}: running (load {os.getloadavg()[0]:.2f})")
     t = time.time()
     proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, timeout=timeout,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        log(f"{name}: failed\n{proc.stderr[-2000:]}")
+        reason = exit_reason(proc.returncode)
+        log(f"{name}: failed ({reason})\n{proc.stderr[-2000:]}")
+        if failures is not None:
+            failures.append(f"{name} failed ({reason}); the run's log has its error output")
         return None
     log(f"{name}: done in {time.time() - t:.0f} s")
     with open(out) as f:
         return json.load(f)
+
+
+def exit_reason(returncode: int) -> str:
+    """A worker's exit status in words: ``exit status 1``, or the signal, e.g. ``killed by
+    SIGILL`` (a peer built for instructions this CPU or VM refuses: see the module docstring)."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    import signal
+
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
 
 
 def main(argv=None) -> int:
@@ -213,7 +235,7 @@ def main(argv=None) -> int:
             log(f"warm-up: fp32 batch-1 decode {warm['decode_tokens_per_s']:.1f} tokens/s (discarded)")
         for name, system, target, env in plan:
             result = run_worker(name, system, spec_path, target,
-                                full and name != "ours-int4-acc4", env)
+                                full and name != "ours-int4-acc4", env, failures=notes)
             if result is not None:
                 results[name] = result
     for name, path in (("ours-fp32", fp32), ("ours-fp32-kv16", kv16), ("ours-int4", int4)):
