@@ -568,12 +568,17 @@ def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smo
         "messages": [{"role": "user", "content": "Hi", "nmae": "ann"},
                      {"role": "user", "content": [{"type": "text", "text": "Hi", "txt": "x"}]}], "max_tokens": 2})
     assert r.status_code == 200, r.text
+    # an image part is refused, and its fields are not named as ignored (QA 22)
+    r = httpx.post(f"http://{server.http}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert r.status_code == 400 and "image_url" in r.json()["error"]["message"], r.text
     wait_until(lambda: any("incude_usage" in line for line in server.stderr_lines), timeout=10)
     wait_until(lambda: any("nmae" in line for line in server.stderr_lines), timeout=10)
     logged = [line for line in server.stderr_lines if "request fields ignored" in line]
     assert any("'max_token', 'zz_extra'" in line for line in logged), logged
     assert any("'stream_options.incude_usage'" in line for line in logged), logged
     assert any("'messages[0].nmae', 'messages[1].content[0].txt'" in line for line in logged), logged
+    assert not any("content[0].image_url" in line for line in logged), logged
     # (a client's newline cannot forge a log line; 100 KB of name and 100 fields give a short line)
     assert not any(line.startswith("2099-01-01") for line in server.stderr_lines)
     line = next(line for line in logged if "zz_tok_extra" in line)

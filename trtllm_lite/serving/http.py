@@ -266,7 +266,8 @@ class OpenAIServer:
         for i, message in enumerate(getattr(body, "messages", None) or ()):   # (the template gets role, content)
             ignored += [f"messages[{i}].{name}" for name in message.model_extra or ()]
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-                ignored += [f"messages[{i}].content[{j}].{name}" for name in part.model_extra or ()]
+                if part.type == "text":   # other parts (image_url, ...) are refused, their fields with them
+                    ignored += [f"messages[{i}].content[{j}].{name}" for name in part.model_extra or ()]
         if ignored:
             log.warning("request fields ignored (not part of the API): %s", ignored_fields_text(ignored))
 
