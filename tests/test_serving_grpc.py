@@ -267,6 +267,10 @@ def test_undecodable_request_is_invalid_argument(server, client):
                 call(method)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
             assert method in e.value.details()
+        # a string field (GenerateRequest.text, field 2) that is not UTF-8: the message says it may be
+        with pytest.raises(grpc.RpcError) as e:
+            list(channel.unary_stream("/trtllm_lite.v1.LLMService/Generate")(b"\x12\x02\xff\xfe", timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid UTF-8" in e.value.details()
     assert client.complete("The capital of France is", max_tokens=2).finished
 
 

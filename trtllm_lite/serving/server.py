@@ -142,7 +142,8 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
                 return parse(raw)
             except Exception as e:   # protobuf's DecodeError (or any parse failure)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"the request is not a valid {method} message: {e}")
+                                    f"the request is not a valid {method} message ({e}): malformed bytes, or a "
+                                    f"string field that is not valid UTF-8 (protobuf strings must be)")
 
         async def decoded_stream(raws, context):
             async for raw in raws:
