@@ -292,7 +292,7 @@ def test_serve_cli_rejects_a_token_budget_below_max_num_seqs(smollm2_engine):
     assert "error: max_num_batched_tokens (4) must be greater than or equal to max_num_seqs (8)" in done.stderr
 
 
-@pytest.mark.parametrize("salt, error", [(3, TypeError), ("", ValueError)])
+@pytest.mark.parametrize("salt, error", [(3, TypeError), ("", ValueError), ("a\udc00", ValueError)])
 def test_bad_cache_salt_names_it(smollm2_llm, salt, error):
     with pytest.raises(error, match="cache_salt"):
         smollm2_llm.generate("Hi", SamplingParams(max_tokens=1), cache_salt=salt)

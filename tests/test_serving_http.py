@@ -372,6 +372,9 @@ def test_chat_text_part_without_text_is_400(server):
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "bad_words": ["\udc00"]}, "bad_words"),
     ("completions", {"prompt": "Hi", "stop": "\ud800"}, "stop"),             # it was accepted (QA)
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stop": ["ok", "a\udbff"]}, "stop"),
+    # hashed into the prefix-cache keys inside an engine step, where it failed every request of
+    # the step with a 500 (QA 23)
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "cache_salt": "\udc00"}, "cache_salt"),
 ])
 def test_text_that_is_not_unicode_is_400_naming_it(server, oai, route, body, param):
     raw = ('{"model": "smollm2", "max_tokens": 2, ' + json.dumps(body)[1:]).encode()   # keeps the \ud800 escape

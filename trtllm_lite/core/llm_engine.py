@@ -13,7 +13,7 @@ from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampler import Sampler, SamplingRow, TokenLogprobs, log_softmax, top_logprobs
 from ..sampling_params import SamplingParams
 from ..stop_strings import find_stop, held_back
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, check_unicode
 from .kv_cache_manager import KVCacheManager
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, SequenceStatus
@@ -240,10 +240,13 @@ class LLMEngine:
             raise TypeError("cache_salt must be a string")
         if cache_salt == "":      # as vLLM: an empty salt would silently share the unsalted space
             raise ValueError("cache_salt must be a non-empty string if given")
+        if cache_salt is not None:   # (hashed into every block's key during a step: QA 23)
+            check_unicode(cache_salt, "cache_salt")
         ids = self.tokenize_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(rid, str) or not rid:
             raise ValueError("request_id must be a non-empty string")
+        check_unicode(rid, "request_id")
         if params.stop:   # (matched against the text at every new token; one longer than
             self.check_words_length(params.stop, "stop")   # max_seq_len tokens never matches)
         request = Request(rid, prompt if isinstance(prompt, str) else None, ids, params,
