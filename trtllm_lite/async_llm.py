@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 import os
 import queue
 import threading
@@ -23,6 +24,8 @@ from typing import AsyncIterator
 from .core.llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -539,6 +542,8 @@ class AsyncLLM:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep serving
             self.num_step_errors += 1
+            log.exception("an engine step failed; its %d requests are aborted and serving goes on",
+                          len(self._streams))
             self._abort_all(EngineStepError(f"internal error in an engine step: {e!r}"))
             self._stats = self._snapshot()
             return
