@@ -300,6 +300,13 @@ def test_bad_cache_salt_names_it(smollm2_llm, salt, error):
         smollm2_llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1), cache_salt=salt)
 
 
+def test_request_id_that_is_not_unicode_is_refused_and_nothing_is_queued(smollm2_llm):
+    engine = smollm2_llm.engine
+    with pytest.raises(ValueError, match="request_id is not valid Unicode"):
+        engine.add_request("Hi", SamplingParams(max_tokens=1), request_id="r\udc00")
+    assert not engine.has_unfinished_requests()
+
+
 def test_bad_words_longer_than_max_seq_len_tokens_can_cover_are_refused_untokenized(smollm2_llm):
     """Bad words are tokenized where the request is made (a server's event loop): more
     characters in all than max_seq_len tokens can cover are refused before tokenizing, as a

@@ -575,8 +575,12 @@ def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smo
     r = httpx.post(f"http://{server.http}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert r.status_code == 400 and "image_url" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"http://{server.http}/tokenize", timeout=30, json={"prompt": "Hi", "zz_after_image": 1})
+    assert r.status_code == 200, r.text
     wait_until(lambda: any("incude_usage" in line for line in server.stderr_lines), timeout=10)
     wait_until(lambda: any("nmae" in line for line in server.stderr_lines), timeout=10)
+    # (a line logged after the image request's: that request's line, had there been one, is read)
+    wait_until(lambda: any("zz_after_image" in line for line in server.stderr_lines), timeout=10)
     logged = [line for line in server.stderr_lines if "request fields ignored" in line]
     assert any("'max_token', 'zz_extra'" in line for line in logged), logged
     assert any("'stream_options.incude_usage'" in line for line in logged), logged
