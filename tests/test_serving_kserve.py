@@ -74,6 +74,24 @@ def test_parse_inputs_errors_name_the_tensor(inputs, message):
         et.parse_inputs(inputs)
 
 
+@pytest.mark.parametrize("datatype, raw", [("INT32", b""), ("INT32", None), ("BYTES", b""), ("BYTES", None)])
+def test_a_shape_past_int64_is_refused_naming_the_tensor(datatype, raw):
+    """A shape of more elements than int64 counts (2^62 x 4: numpy's product wrapped to 0, so
+    empty contents passed the size check) was refused with numpy's reshape message, naming no
+    tensor (QA 23): the count is exact, and the error names the tensor and its shape."""
+    from tritonclient.grpc import service_pb2 as kpb
+
+    from trtllm_lite.serving.kserve import input_arrays
+
+    request = kpb.ModelInferRequest(model_name="ensemble")
+    name = "text_input" if datatype == "BYTES" else "input_ids"
+    request.inputs.add(name=name, datatype=datatype, shape=[2 ** 62, 4])
+    if raw is not None:
+        request.raw_input_contents.append(raw)
+    with pytest.raises(ValueError, match=rf"input tensor '{name}': .*\[4611686018427387904, 4\]"):
+        input_arrays(request)
+
+
 def test_make_outputs_shapes_and_prompt_echo():
     req = et.EnsembleRequest(prompt="Q: ", return_num_output_tokens=True, return_log_probs=True)
     out = et.make_outputs(req, "A", num_output_tokens=1, token_logprobs=[-0.5])

@@ -28,6 +28,7 @@ ensemble's examples send ``""``); stop strings end the output before the match (
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -170,9 +171,10 @@ def deserialize_bytes_tensor(raw: bytes, shape: tuple[int, ...] | None = None) -
     out = np.empty(len(items), dtype=object)
     out[:] = items
     if shape is not None:
-        if int(np.prod(shape)) != len(items):
+        needed = math.prod(shape)   # (Python ints: numpy's int64 product wraps past 2^63)
+        if needed != len(items):
             raise ValueError(f"BYTES tensor holds {len(items)} elements, its shape {list(shape)} "
-                             f"needs {int(np.prod(shape))}")
+                             f"needs {needed}")
         out = out.reshape(shape)
     return out
 

@@ -17,6 +17,7 @@ come from ``tritonclient``'s generated stubs (``service_pb2``), the same ones it
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from contextlib import ExitStack, aclosing
 
@@ -70,9 +71,12 @@ def input_arrays(request: kpb.ModelInferRequest) -> dict[str, np.ndarray]:
         shape = tuple(int(d) for d in t.shape)
         if any(d < 0 for d in shape):
             raise ValueError(f"input tensor {t.name!r}: negative dimension in shape {list(shape)}")
-        count = int(np.prod(shape))
+        count = math.prod(shape)   # (Python ints: numpy's int64 product wraps past 2^63, to 0 here)
         if raw and t.datatype == "BYTES":
-            arr = et.deserialize_bytes_tensor(raw[i], shape)
+            try:
+                arr = et.deserialize_bytes_tensor(raw[i], shape)
+            except ValueError as e:
+                raise ValueError(f"input tensor {t.name!r}: {e}") from None
         elif raw:
             dtype = np.dtype(_NUMPY[t.datatype]).newbyteorder("<")
             if len(raw[i]) != count * dtype.itemsize:
