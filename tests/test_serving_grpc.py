@@ -442,6 +442,15 @@ def test_api_key_and_tls(tiny_server, tiny_model):
             anonymous.model_info()
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert anonymous.health() == "SERVING"          # health stays open
+        # the Bearer scheme is case-insensitive (RFC 7235 section 2.1); the key is not
+        from trtllm_lite.serving.protos import llm_service_pb2 as pb
+
+        assert anonymous.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30,
+                                           metadata=(("authorization", "bearer s3cret"),)).max_seq_len > 0
+        with pytest.raises(grpc.RpcError) as e:
+            anonymous.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30,
+                                        metadata=(("authorization", "Bearer S3CRET"),))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with LLMClient(server.grpc, tls_root_cert=cert, api_key="wrong", timeout=30) as wrong:
         with pytest.raises(grpc.RpcError) as e:
             wrong.complete([1, 2, 3], max_tokens=2)

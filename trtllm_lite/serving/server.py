@@ -13,7 +13,6 @@ returns 0.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ..async_llm import AsyncLLM
 from . import grpc_servicer, kserve
+from .auth import bearer_token, key_matches
 from .engine_service import EngineService
 from .metrics import Metrics
 from .protos import llm_service_pb2_grpc
@@ -84,10 +84,9 @@ class ServerConfig:
 
 def _key_ok(metadata, api_key: str) -> bool:
     for key, value in metadata or ():
-        if key == "authorization" and value.startswith("Bearer "):
-            if hmac.compare_digest(value[7:].encode(), api_key.encode()):
-                return True
-        elif key == "x-api-key" and hmac.compare_digest(value.encode(), api_key.encode()):
+        if key == "authorization" and key_matches(bearer_token(value), api_key):
+            return True
+        if key == "x-api-key" and key_matches(value, api_key):
             return True
     return False
 
