@@ -300,8 +300,20 @@ def test_16_concurrent_streams(server, smollm2_llm):
         assert text == refs[prompt], prompt
 
 
-def test_client_closing_stream_frees_blocks(server, grpc_client):
-    body = {"model": "smollm2", "prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+def token_counters(server) -> tuple[float, float]:
+    """(prompt_tokens_total, generation_tokens_total) from the server's /metrics."""
+    body = httpx.get(f"http://{server.http}/metrics", timeout=30).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+              if line.startswith("trtllm_lite_") and " " in line}
+    return values["trtllm_lite_prompt_tokens_total"], values["trtllm_lite_generation_tokens_total"]
+
+
+def test_client_closing_stream_frees_blocks(server, grpc_client, smollm2_llm):
+    """A stream the client closes part way frees its blocks, and the tokens the engine
+    computed for it count in the token counters (as vLLM counts them)."""
+    prompt = "Tell me a story."
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    prompt_before, generated_before = token_counters(server)
     with httpx.Client(timeout=60) as h:
         with h.stream("POST", f"http://{server.http}/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -310,6 +322,32 @@ def test_client_closing_stream_frees_blocks(server, grpc_client):
             assert any(line.startswith("data: ") for line in got)
             assert grpc_client.model_info().kv_blocks_used > 0
     assert wait_until(lambda: idle_blocks(grpc_client), timeout=15)
+    received = sum(1 for line in got if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"])
+    prompt_after, generated_after = token_counters(server)
+    assert prompt_after - prompt_before == len(smollm2_llm.tokenizer.encode(prompt))
+    assert received <= generated_after - generated_before < 400
+
+
+def test_client_leaving_a_stream_during_its_prompt_aborts_it_then(server, grpc_client):
+    """A streaming client that leaves while its long prompt is computed is noticed then: the
+    request is aborted before its first token, which is never generated (it was noticed only
+    at the first token, 2-9 s later, QA 23), and counted as cancelled."""
+    prompt = list(range(1000, 1990))   # ~2 s of prefill on 2 cores
+
+    def counts():
+        body = httpx.get(f"http://{server.http}/metrics", timeout=30).text
+        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+                  if line.startswith("trtllm_lite_") and " " in line}
+        return (values["trtllm_lite_generation_tokens_total"],
+                values.get('trtllm_lite_request_outcomes_total{outcome="cancelled"}', 0.0))
+
+    generated, cancelled = counts()
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "stream": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"http://{server.http}/v1/completions", json=body, timeout=0.3)
+    assert wait_until(lambda: idle_blocks(grpc_client), timeout=15)
+    assert wait_until(lambda: counts()[1] == cancelled + 1, timeout=15)
+    assert counts()[0] == generated
 
 
 def test_client_leaving_a_non_streamed_request_frees_blocks(server, grpc_client):
@@ -363,6 +401,24 @@ def test_chat_text_part_without_text_is_400(server):
     r = httpx.post(f"http://{server.http}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages" and "text" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ([{"text": "Hi"}], "messages.0.content.0.type: Field required"),
+    ([{"type": "text", "text": 5}], "messages.0.content.0.text: Input should be a valid string"),
+    (["Hi"], "messages.0.content.0: a content part must be an object such as"),
+    (5, "messages.0.content: must be a string or a list of content parts"),
+    ({"type": "text", "text": "Hi"}, "messages.0.content: must be a string or a list of content parts"),
+])
+def test_chat_content_of_no_accepted_form_names_what_is_wrong(server, content, message):
+    """A content part without ``type`` was reported as pydantic's first union member's error,
+    "messages.0.content: Input should be a valid string" (QA 23): the error now comes from
+    the form the JSON has (a list: the part's own error), or lists the accepted forms."""
+    body = {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    r = httpx.post(f"http://{server.http}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and r.json()["error"]["message"].startswith(message), r.text
+    assert "ContentPart" not in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("route, body, param", [
@@ -571,6 +627,13 @@ def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smo
         "messages": [{"role": "user", "content": "Hi", "nmae": "ann"},
                      {"role": "user", "content": [{"type": "text", "text": "Hi", "txt": "x"}]}], "max_tokens": 2})
     assert r.status_code == 200, r.text
+    # a refused request's unknown fields are not logged: its error says what was wrong (QA 23)
+    r = httpx.post(f"http://{server.http}/v1/completions", timeout=60,
+                   json={"prompt": PROMPT, "temperature": -1, "zz_refused": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    r = httpx.post(f"http://{server.http}/v1/chat/completions", timeout=60,
+                   json={"messages": MESSAGES, "top_p": 2, "zz_refused_chat": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
     # an image part is refused, and its fields are not named as ignored (QA 22)
     r = httpx.post(f"http://{server.http}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
@@ -586,6 +649,7 @@ def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smo
     assert any("'stream_options.incude_usage'" in line for line in logged), logged
     assert any("'messages[0].nmae', 'messages[1].content[0].txt'" in line for line in logged), logged
     assert not any("content[0].image_url" in line for line in logged), logged
+    assert not any("zz_refused" in line for line in logged), logged
     # (a client's newline cannot forge a log line; 100 KB of name and 100 fields give a short line)
     assert not any(line.startswith("2099-01-01") for line in server.stderr_lines)
     line = next(line for line in logged if "zz_tok_extra" in line)
@@ -863,6 +927,10 @@ def test_api_key_over_tls(secure):
         assert h.get(f"https://{server.http}/health").status_code == 200        # stays open
         ok = h.post(url, json=body, headers={"Authorization": "Bearer k3y"})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        # the scheme is case-insensitive (RFC 7235 section 2.1); the key is not
+        assert h.post(url, json=body, headers={"Authorization": "bearer k3y"}).status_code == 200
+        assert h.post(url, json=body, headers={"Authorization": "Bearer K3Y"}).status_code == 401
+        assert h.post(url, json=body, headers={"Authorization": "Basic k3y"}).status_code == 401
     with openai.OpenAI(base_url=f"https://{server.http}/v1", api_key="k3y", max_retries=0,
                        http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert))) as c:
         assert c.models.list().data[0].id == "smollm2"

@@ -321,7 +321,7 @@ class EngineService:
             raise
         finally:
             if outcome is not None:
-                self.metrics.record_failed(outcome)
+                self.metrics.record_failed(outcome, acc)
 
     async def generate_all(self, prompt, params: SamplingParams, request_id: str | None = None,
                            timeout: float | None = None, cache_salt: str | None = None,

@@ -12,7 +12,6 @@ and the tokenizer routes), 404 unknown model, 429 waiting queue full, 503 shutti
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -28,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_llm import Admission, QueueFullError, tokenizing_size
 from . import openai_protocol as oa
+from .auth import bearer_token, key_matches
 from .engine_service import Accumulator, EngineService, RequestBatch, classify, position_logprobs
 
 log = logging.getLogger("trtllm_lite.serving")
@@ -51,6 +51,19 @@ def ignored_fields_text(names: list[str]) -> str:
 
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def union_member_error(errors: list[dict]) -> dict:
+    """The error to report from pydantic's ``errors`` for a request: the first, except where
+    a field of several forms (a chat message's ``content``: a string or a list of parts) failed
+    as a string on input that is not one: then the error of the next form at the same field
+    (a part without ``type`` is reported as that, not as "Input should be a valid string")."""
+    first = errors[0]
+    if first.get("type") != "string_type" or isinstance(first.get("input"), str) or len(first.get("loc", ())) < 2:
+        return first
+    field = tuple(first["loc"][:-1])   # (..., field, member tag "str")
+    return next((e for e in errors[1:] if tuple(e.get("loc", ())[:len(field)]) == field
+                 and len(e["loc"]) > len(field) and e["loc"][len(field)] != first["loc"][-1]), first)
 
 
 class NotFound(LookupError):
@@ -116,7 +129,7 @@ class Guard:
         denied = None
         if self.api_key and path.startswith(_PROTECTED):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not (auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), self.api_key.encode())):
+            if not key_matches(bearer_token(auth), self.api_key):
                 denied = JSONResponse(oa.error_body(401, "missing or wrong API key (Authorization: Bearer KEY)"), 401)
         if denied is None and path != "/metrics" and not self.service.llm.accepting:
             denied = JSONResponse(oa.error_body(503, "the server is shutting down"), 503)
@@ -127,8 +140,13 @@ class Guard:
         return await self.app(scope, receive, send)
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (its requests were aborted)."""
+
+
 async def until_disconnected(request: Request, coro):
-    """Await ``coro``; cancel it (aborting its requests) if the client disconnects first."""
+    """Await ``coro``; if the client disconnects first, cancel it (aborting its requests: their
+    the engine frees their blocks) and raise :class:`ClientDisconnected`."""
     work = asyncio.ensure_future(coro)
 
     async def watch():
@@ -144,6 +162,9 @@ async def until_disconnected(request: Request, coro):
         watcher.cancel()
         if not work.done():
             work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise ClientDisconnected("the client disconnected")
     return work.result()
 
 
@@ -208,7 +229,8 @@ class OpenAIServer:
     async def _invalid(self, request, exc: RequestValidationError):
         if request.url.path in _GENERATION_ROUTES:   # a malformed generation request
             self.service.metrics.record_failed("invalid_argument")
-        err = (exc.errors() or [{}])[0]
+        errors = exc.errors() or [{}]
+        err = union_member_error(errors)
         msg = err.get("msg", "invalid request")
         if err.get("type") == "json_invalid":
             if isinstance(exc.body, str) and not exc.body.strip():   # (FastAPI's body here: the text it decoded)
@@ -230,6 +252,12 @@ class OpenAIServer:
         forms = {"prompt": oa.PROMPT_FORMS, "stop": oa.STOP_FORMS}
         if loc and loc[0] in forms and len(loc) > 1 and not loc[1].isdigit():   # no member of the union fits
             message = f"{loc[0]}: {forms[loc[0]]}"
+        kind = err.get("type")
+        if len(loc) == 4 and loc[0] == "messages" and loc[2] == "content" and not loc[3].isdigit() \
+                and kind in ("string_type", "list_type"):   # content neither a string nor a list
+            message = f"{'.'.join(path)}: {oa.CONTENT_FORMS}"
+        elif loc[:1] == ["messages"] and "content" in loc and kind in ("model_type", "model_attributes_type"):
+            message = f"{'.'.join(path)}: {oa.CONTENT_PART_FORM}"   # a part that is not an object
         return JSONResponse(oa.error_body(400, message, loc[0] if loc else None), status_code=400)
 
     @staticmethod
@@ -251,12 +279,14 @@ class OpenAIServer:
         return JSONResponse(oa.error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    def _check_body(self, body) -> None:
-        """Raise :class:`NotFound` for another model's name; log the body's unknown fields.
+    def _check_body(self, body) -> list[str]:
+        """Raise :class:`NotFound` for another model's name; return the body's unknown fields.
 
         Unknown fields are ignored, as vLLM and OpenAI tolerate the extras client libraries
-        send; like vLLM, the server logs their names once per request, so a misspelt option
-        (``max_token``) is visible in the log rather than silently served at its default."""
+        send; like vLLM, the server logs their names once per request it takes
+        (:meth:`_log_ignored`, once its parameters passed: a refused request's error says what
+        was wrong), so a misspelt option (``max_token``) is visible in the log rather than
+        silently served at its default."""
         if body.model is not None and body.model != self.service.model_name:
             raise NotFound(f"model {body.model!r} does not exist; this server serves {self.service.model_name!r}")
         ignored = list(body.model_extra or ())
@@ -268,6 +298,10 @@ class OpenAIServer:
             for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
                 if part.type == "text":   # other parts (image_url, ...) are refused, their fields with them
                     ignored += [f"messages[{i}].content[{j}].{name}" for name in part.model_extra or ()]
+        return ignored
+
+    @staticmethod
+    def _log_ignored(ignored: list[str]) -> None:
         if ignored:
             log.warning("request fields ignored (not part of the API): %s", ignored_fields_text(ignored))
 
@@ -285,7 +319,7 @@ class OpenAIServer:
 
     async def tokenize(self, body: oa.TokenizeRequest):
         try:
-            self._check_body(body)
+            ignored = self._check_body(body)
             if body.messages is not None and body.prompt is not None:
                 raise ValueError("prompt and messages: send one or the other, not both")
             if body.messages is not None:
@@ -299,6 +333,7 @@ class OpenAIServer:
                 raise ValueError("prompt or messages is required")
         except Exception as e:  # noqa: BLE001
             return error_response(e)
+        self._log_ignored(ignored)
         # encoded on a worker thread, as a generation's answer: text within the character limit
         # can be ~1.8M token ids, and FastAPI's jsonable_encoder held the event loop ~5 s on them
         # after the tokenizing had been moved off it (QA 15)
@@ -307,10 +342,12 @@ class OpenAIServer:
 
     async def detokenize(self, body: oa.DetokenizeRequest):
         try:
-            self._check_body(body)
-            return {"prompt": self.service.detokenize(body.tokens, name="tokens")}
+            ignored = self._check_body(body)
+            text = self.service.detokenize(body.tokens, name="tokens")
         except Exception as e:  # noqa: BLE001
             return error_response(e)
+        self._log_ignored(ignored)
+        return {"prompt": text}
 
     # -- generation -----------------------------------------------------------------------
     async def _start(self, prompts: list, params: list, rid: str, cache_salt: str | None, batch: RequestBatch,
@@ -343,8 +380,9 @@ class OpenAIServer:
         created = int(time.time())
         fmt = ResponseFormat(self.service, body, kind, rid, created, params[0].n, prompt_texts)
         batch = RequestBatch()
-        if body.stream:
-            gens, firsts = await self._start(prompts, params, rid, body.cache_salt, batch, admission)
+        if body.stream:   # a client that leaves during the prompt is noticed then, not at its first token
+            gens, firsts = await until_disconnected(
+                request, self._start(prompts, params, rid, body.cache_salt, batch, admission))
             return StreamingResponse(fmt.stream(gens, firsts, batch), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
@@ -380,7 +418,7 @@ class OpenAIServer:
     async def completions(self, body: oa.CompletionRequest, request: Request):
         with ExitStack() as held:   # admitted: a drain waits for it while its text is tokenized
             try:
-                self._check_body(body)
+                ignored = self._check_body(body)
                 admission = held.enter_context(self.service.llm.admit())
                 prompts = body.prompts()
                 limit = self.service.llm.max_waiting_requests
@@ -406,6 +444,7 @@ class OpenAIServer:
                 params = [self.service.sampling_params(body.sampling_values(room)) for room in rooms]
             except Exception as e:  # noqa: BLE001
                 return self._rejected(e)
+            self._log_ignored(ignored)
             try:   # errors from here on are counted where the engine raises them (engine_service)
                 return await self._run(request, body, prompts, params, "text", texts, admission)
             except Exception as e:  # noqa: BLE001 - every request error becomes an HTTP status
@@ -414,7 +453,7 @@ class OpenAIServer:
     async def chat(self, body: oa.ChatCompletionRequest, request: Request):
         with ExitStack() as held:   # admitted: a drain waits for it while its text is tokenized
             try:
-                self._check_body(body)
+                ignored = self._check_body(body)
                 admission = held.enter_context(self.service.llm.admit())
                 messages = body.message_dicts()
                 ids = await self.service.prepare(self.service.chat_prompt, messages, body.add_generation_prompt,
@@ -426,6 +465,7 @@ class OpenAIServer:
                 params = self.service.sampling_params(values)
             except Exception as e:  # noqa: BLE001
                 return self._rejected(e)
+            self._log_ignored(ignored)
             try:
                 return await self._run(request, body, [ids], [params], "chat", None, admission)
             except Exception as e:  # noqa: BLE001

@@ -94,9 +94,10 @@ class Metrics:
                                              "E2E: arrival to finish.", buckets=_REQUEST_BUCKETS, registry=r)
         self.request_queue_time = Histogram(PREFIX + "request_queue_time_seconds",
                                             "Arrival to first scheduled.", buckets=_TTFT_BUCKETS, registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests.",
-                                         registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the requests the engine ran "
+                                     "(finished, or cancelled or failed after their first output).", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens, those of requests "
+                                         "cancelled or failed part way included.", registry=r)
         self.request_outcomes = Counter(PREFIX + "request_outcomes",
                                         "Finished sequences by finish reason (stop, length, abort) and failed "
                                         "requests by error (invalid_argument, already_exists, resource_exhausted, "
@@ -125,8 +126,14 @@ class Metrics:
         for s in acc.results():
             self.request_outcomes.labels(s.finish_reason or "abort").inc()
 
-    def record_failed(self, outcome: str) -> None:
+    def record_failed(self, outcome: str, acc: "Accumulator | None" = None) -> None:
+        """Count a failed or cancelled request under ``outcome``, and the tokens it was given
+        and generated before it ended (``acc``: its output so far, if it had any): the engine
+        computed them, as vLLM's token counters count them."""
         self.request_outcomes.labels(outcome).inc()
+        if acc is not None and acc.last is not None:
+            self.prompt_tokens.inc(acc.num_prompt_tokens)
+            self.generation_tokens.inc(acc.num_completion_tokens)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -16,6 +16,9 @@ from ..sampling_params import MAX_LOGPROBS
 
 
 STOP_FORMS = "must be a string or a list of strings"
+CONTENT_FORMS = ("must be a string or a list of content parts, each an object such as "
+                 "{\"type\": \"text\", \"text\": \"...\"}")   # a chat message's content
+CONTENT_PART_FORM = "a content part must be an object such as {\"type\": \"text\", \"text\": \"...\"}"
 PROMPT_FORMS = ("must be a string, a list of strings, a list of token ids (integers) or a list of lists "
                 "of token ids")   # a completion prompt's accepted forms, for errors
 
