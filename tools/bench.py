@@ -21,8 +21,10 @@ llama.cpp joins when ``llama-cpp-python`` is installed; it builds from source (~
         pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python
 
 (without ``GGML_NATIVE=OFF`` the build targets the host CPU, and on the Xeon VM with AMX that
-build's AMX matrix kernel died with SIGILL at its first ``tilezero``: the peer then fails and
-the report says so).
+build's AMX matrix kernel died with SIGILL at its first ``tilezero``: Linux gives a process AMX
+state only once it asks, ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, and a test
+program on that VM ran AMX with the request and died the same way without it. The peer then
+fails and the report says so).
 
 Writes ``docs/benchmarks_cpu.json``, ``docs/benchmarks_cpu.png`` and the generated section of
 ``docs/benchmarks.md`` (between the ``bench.py`` markers; other sections are kept).
