@@ -431,6 +431,18 @@ def tiny_server(tiny_model, tls_files):
         assert s.stop() == 0
 
 
+@pytest.mark.parametrize("key", ["k\udcff", "k y", "k\u00e9y", "k\t", "\x7f"])
+def test_an_api_key_no_client_could_send_is_refused_at_start(key):
+    """gRPC metadata carries printable ASCII only: a key read from the environment with a byte
+    that is not UTF-8 (a surrogate-escaped str) failed every protected call with a 500 / UNKNOWN
+    (QA 24), and a non-ASCII one could never be sent. The server refuses such a key at start."""
+    from trtllm_lite.serving.server import ServerConfig
+
+    with pytest.raises(ValueError, match="api_key must be printable ASCII"):
+        ServerConfig(engine_dir="engines/x", api_key=key)
+    assert ServerConfig(engine_dir="engines/x", api_key="s3cret-K_~!").api_key == "s3cret-K_~!"
+
+
 def test_api_key_and_tls(tiny_server, tiny_model):
     server, cert = tiny_server
     hf, _ = tiny_model("llama-gqa")

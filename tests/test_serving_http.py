@@ -634,6 +634,10 @@ def test_unknown_fields_are_served_as_vllm_does_and_named_in_the_log(server, smo
     r = httpx.post(f"http://{server.http}/v1/chat/completions", timeout=60,
                    json={"messages": MESSAGES, "top_p": 2, "zz_refused_chat": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text
+    for stream in (False, True):   # refused by the engine's own check as it is added (QA 24)
+        r = httpx.post(f"http://{server.http}/v1/completions", timeout=60,
+                       json={"prompt": [1000] * 1100, "stream": stream, "zz_refused_by_engine": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     # an image part is refused, and its fields are not named as ignored (QA 22)
     r = httpx.post(f"http://{server.http}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
@@ -850,7 +854,7 @@ def test_a_completions_batch_refused_by_one_prompt_counts_once(server, grpc_clie
              # batch knows it failed): still one outcome (each was counted: QA 15b)
              ([[1, 10 ** 6], [1, 2, 3], [2, 10 ** 6]], 4, "outside the vocabulary")]
     for (prompts, max_tokens, message), stream in [(c, s) for c in cases for s in (False, True)]:
-        before = outcomes()
+        before, tokens_before = outcomes(), token_counters(server)
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={
             "prompt": prompts, "max_tokens": max_tokens, "stream": stream})
         assert r.status_code == 400 and message in r.text
@@ -858,6 +862,9 @@ def test_a_completions_batch_refused_by_one_prompt_counts_once(server, grpc_clie
         delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
         assert delta == {"invalid_argument": 1.0}, (stream, delta)
         assert wait_until(lambda: idle_blocks(grpc_client), 30)
+        if prompts[0] == "Hi":   # the engine computed "Hi"'s token: it counts, answered or not (QA 24)
+            tokens_after = token_counters(server)
+            assert tokens_after[1] - tokens_before[1] == 1, (stream, tokens_before, tokens_after)
 
 
 def test_grpc_and_http_share_one_engine(server, grpc_client, smollm2_llm):
@@ -931,6 +938,9 @@ def test_api_key_over_tls(secure):
         assert h.post(url, json=body, headers={"Authorization": "bearer k3y"}).status_code == 200
         assert h.post(url, json=body, headers={"Authorization": "Bearer K3Y"}).status_code == 401
         assert h.post(url, json=body, headers={"Authorization": "Basic k3y"}).status_code == 401
+        # two Authorization headers are malformed (RFC 9110 section 5.3): the last one decided (QA 24)
+        for pair in (["Bearer wrong", "Bearer k3y"], ["Bearer k3y", "Bearer k3y"]):
+            assert h.post(url, json=body, headers=[("Authorization", v) for v in pair]).status_code == 401
     with openai.OpenAI(base_url=f"https://{server.http}/v1", api_key="k3y", max_retries=0,
                        http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert))) as c:
         assert c.models.list().data[0].id == "smollm2"

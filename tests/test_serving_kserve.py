@@ -90,6 +90,12 @@ def test_a_shape_past_int64_is_refused_naming_the_tensor(datatype, raw):
         request.raw_input_contents.append(raw)
     with pytest.raises(ValueError, match=rf"input tensor '{name}': .*\[4611686018427387904, 4\]"):
         input_arrays(request)
+    request = kpb.ModelInferRequest(model_name="ensemble")   # past numpy's 64 dimensions (QA 24)
+    request.inputs.add(name=name, datatype=datatype, shape=[1] * 65)
+    if raw is not None:
+        request.raw_input_contents.append(b"\0\0\0\0" if datatype == "INT32" else b"\1\0\0\0x")
+    with pytest.raises(ValueError, match=rf"input tensor '{name}': shape has 65 dimensions, more than 64"):
+        input_arrays(request)
 
 
 def test_make_outputs_shapes_and_prompt_echo():

@@ -320,8 +320,9 @@ class EngineService:
                     batch.fail()
             raise
         finally:
+            self.metrics.record_tokens(acc)
             if outcome is not None:
-                self.metrics.record_failed(outcome, acc)
+                self.metrics.record_failed(outcome)
 
     async def generate_all(self, prompt, params: SamplingParams, request_id: str | None = None,
                            timeout: float | None = None, cache_salt: str | None = None,

@@ -70,12 +70,21 @@ class NotFound(LookupError):
     pass
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (its requests were aborted)."""
+
+
 _EMPTY_BODY = "the body is empty: send a JSON object of the request's fields"
+
+
+# nginx's "client closed request": the status of a response no client reads (the access log's)
+CLIENT_CLOSED_REQUEST = 499
 
 
 def error_response(e: BaseException) -> JSONResponse:
     """The OpenAI error object and HTTP status of an exception raised serving a request."""
-    status = 404 if isinstance(e, NotFound) else classify(e).http
+    status = 404 if isinstance(e, NotFound) else CLIENT_CLOSED_REQUEST if isinstance(e, ClientDisconnected) \
+        else classify(e).http
     message = str(e) or type(e).__name__
     first = message.split(" ", 1)[0].rstrip(":,")
     # a bad parameter's message starts with its name; others ("the engine is shutting down")
@@ -128,8 +137,10 @@ class Guard:
         path = scope["path"]
         denied = None
         if self.api_key and path.startswith(_PROTECTED):
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not key_matches(bearer_token(auth), self.api_key):
+            # one Authorization header (RFC 9110 section 5.3: a repeated one is malformed; the
+            # last one decided before)
+            auths = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
+            if len(auths) != 1 or not key_matches(bearer_token(auths[0]), self.api_key):
                 denied = JSONResponse(oa.error_body(401, "missing or wrong API key (Authorization: Bearer KEY)"), 401)
         if denied is None and path != "/metrics" and not self.service.llm.accepting:
             denied = JSONResponse(oa.error_body(503, "the server is shutting down"), 503)
@@ -138,10 +149,6 @@ class Guard:
         if self.max_body_bytes is not None and scope.get("method") == "POST":
             return await self._bounded(scope, receive, send)
         return await self.app(scope, receive, send)
-
-
-class ClientDisconnected(Exception):
-    """The client went away before its response was ready (its requests were aborted)."""
 
 
 async def until_disconnected(request: Request, coro):
@@ -283,10 +290,11 @@ class OpenAIServer:
         """Raise :class:`NotFound` for another model's name; return the body's unknown fields.
 
         Unknown fields are ignored, as vLLM and OpenAI tolerate the extras client libraries
-        send; like vLLM, the server logs their names once per request it takes
-        (:meth:`_log_ignored`, once its parameters passed: a refused request's error says what
-        was wrong), so a misspelt option (``max_token``) is visible in the log rather than
-        silently served at its default."""
+        send; like vLLM, the server logs their names once per request it serves
+        (:meth:`_log_ignored`: a stream's once every prompt's first output came, a whole
+        answer's once it is ready; a request refused, for its parameters or by the engine's own
+        checks, logs none: its error says what was wrong), so a misspelt option (``max_token``)
+        is visible in the log rather than silently served at its default."""
         if body.model is not None and body.model != self.service.model_name:
             raise NotFound(f"model {body.model!r} does not exist; this server serves {self.service.model_name!r}")
         ignored = list(body.model_extra or ())
@@ -373,9 +381,11 @@ class OpenAIServer:
         return gens, firsts
 
     async def _run(self, request: Request, body, prompts: list, params: list, kind: str, prompt_texts: list,
-                   admission: Admission):
+                   admission: Admission, ignored: list[str]):
         """Serve ``prompts`` (one ``SamplingParams`` each, in ``params``) as one response, the
-        request taken by ``admission`` (AsyncLLM.admit) when it came."""
+        request taken by ``admission`` (AsyncLLM.admit) when it came; ``ignored`` (its unknown
+        fields) are logged once the engine took every prompt (the first outputs came: the
+        engine's own checks, e.g. of the prompt's length, refuse a request as it is added)."""
         rid = ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
         fmt = ResponseFormat(self.service, body, kind, rid, created, params[0].n, prompt_texts)
@@ -383,6 +393,7 @@ class OpenAIServer:
         if body.stream:   # a client that leaves during the prompt is noticed then, not at its first token
             gens, firsts = await until_disconnected(
                 request, self._start(prompts, params, rid, body.cache_salt, batch, admission))
+            self._log_ignored(ignored)
             return StreamingResponse(fmt.stream(gens, firsts, batch), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
@@ -403,6 +414,7 @@ class OpenAIServer:
                 raise
 
         accs = await until_disconnected(request, run_all())
+        self._log_ignored(ignored)
         # built and encoded on a worker thread (pure Python, but the GIL passes to the event loop
         # every 5 ms there): 4 x 2,000 tokens with 20 logprobs each (4.4 MB of JSON) held the loop
         # ~1.5 s (QA D: up to 6.2 s); a JSONResponse skips FastAPI's jsonable_encoder (~half of it)
@@ -444,9 +456,8 @@ class OpenAIServer:
                 params = [self.service.sampling_params(body.sampling_values(room)) for room in rooms]
             except Exception as e:  # noqa: BLE001
                 return self._rejected(e)
-            self._log_ignored(ignored)
             try:   # errors from here on are counted where the engine raises them (engine_service)
-                return await self._run(request, body, prompts, params, "text", texts, admission)
+                return await self._run(request, body, prompts, params, "text", texts, admission, ignored)
             except Exception as e:  # noqa: BLE001 - every request error becomes an HTTP status
                 return error_response(e)
 
@@ -465,9 +476,8 @@ class OpenAIServer:
                 params = self.service.sampling_params(values)
             except Exception as e:  # noqa: BLE001
                 return self._rejected(e)
-            self._log_ignored(ignored)
             try:
-                return await self._run(request, body, [ids], [params], "chat", None, admission)
+                return await self._run(request, body, [ids], [params], "chat", None, admission, ignored)
             except Exception as e:  # noqa: BLE001
                 return error_response(e)
 

@@ -44,6 +44,9 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 
+MAX_DIMS = 64   # an input tensor's dimensions at most (numpy's limit)
+
+
 class NotFoundError(LookupError):
     """The request names a model this server does not serve."""
 
@@ -69,6 +72,8 @@ def input_arrays(request: kpb.ModelInferRequest) -> dict[str, np.ndarray]:
         if spec is not None and t.datatype != spec.datatype:
             raise ValueError(f"input tensor {t.name!r} must be {spec.datatype}, got {t.datatype}")
         shape = tuple(int(d) for d in t.shape)
+        if len(shape) > MAX_DIMS:   # (numpy's own message named no tensor; QA 24)
+            raise ValueError(f"input tensor {t.name!r}: shape has {len(shape)} dimensions, more than {MAX_DIMS}")
         if any(d < 0 for d in shape):
             raise ValueError(f"input tensor {t.name!r}: negative dimension in shape {list(shape)}")
         count = math.prod(shape)   # (Python ints: numpy's int64 product wraps past 2^63, to 0 here)

@@ -121,17 +121,18 @@ class Metrics:
             self.request_queue_time.observe(timing["queue_ms"] / 1e3)
         if "tpot_ms" in timing:
             self.time_per_output_token.observe(timing["tpot_ms"] / 1e3)
-        self.prompt_tokens.inc(acc.num_prompt_tokens)
-        self.generation_tokens.inc(acc.num_completion_tokens)
         for s in acc.results():
             self.request_outcomes.labels(s.finish_reason or "abort").inc()
 
-    def record_failed(self, outcome: str, acc: "Accumulator | None" = None) -> None:
-        """Count a failed or cancelled request under ``outcome``, and the tokens it was given
-        and generated before it ended (``acc``: its output so far, if it had any): the engine
-        computed them, as vLLM's token counters count them."""
+    def record_failed(self, outcome: str) -> None:
         self.request_outcomes.labels(outcome).inc()
-        if acc is not None and acc.last is not None:
+
+    def record_tokens(self, acc: "Accumulator") -> None:
+        """Count the prompt and generated tokens of a request that ended (``acc``: its output,
+        none if it never had any), however it ended: finished, cancelled, failed, or ended with
+        another prompt of its call. The engine computed them, and vLLM's counters count them
+        alike; the request outcomes are counted apart (:meth:`record_finished`, :meth:`record_failed`)."""
+        if acc.last is not None:
             self.prompt_tokens.inc(acc.num_prompt_tokens)
             self.generation_tokens.inc(acc.num_completion_tokens)
 

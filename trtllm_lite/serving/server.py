@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ..async_llm import AsyncLLM
 from . import grpc_servicer, kserve
-from .auth import bearer_token, key_matches
+from .auth import bearer_token, key_is_sendable, key_matches
 from .engine_service import EngineService
 from .metrics import Metrics
 from .protos import llm_service_pb2_grpc
@@ -76,6 +76,9 @@ class ServerConfig:
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
+        if self.api_key and not key_is_sendable(self.api_key):
+            raise ValueError("api_key must be printable ASCII without spaces (gRPC metadata and HTTP headers "
+                             "carry it as is): a key with other characters could never be sent")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.served_model_name is None:
