@@ -300,11 +300,16 @@ def test_16_concurrent_streams(server, smollm2_llm):
         assert text == refs[prompt], prompt
 
 
+def metric_values(server) -> dict[str, float]:
+    """The server's /metrics samples: ``{name (with its labels): value}``."""
+    body = httpx.get(f"http://{server.http}/metrics", timeout=30).text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+            if line.startswith("trtllm_lite_") and " " in line}
+
+
 def token_counters(server) -> tuple[float, float]:
     """(prompt_tokens_total, generation_tokens_total) from the server's /metrics."""
-    body = httpx.get(f"http://{server.http}/metrics", timeout=30).text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
-              if line.startswith("trtllm_lite_") and " " in line}
+    values = metric_values(server)
     return values["trtllm_lite_prompt_tokens_total"], values["trtllm_lite_generation_tokens_total"]
 
 
@@ -335,9 +340,7 @@ def test_client_leaving_a_stream_during_its_prompt_aborts_it_then(server, grpc_c
     prompt = list(range(1000, 1990))   # ~2 s of prefill on 2 cores
 
     def counts():
-        body = httpx.get(f"http://{server.http}/metrics", timeout=30).text
-        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
-                  if line.startswith("trtllm_lite_") and " " in line}
+        values = metric_values(server)
         return (values["trtllm_lite_generation_tokens_total"],
                 values.get('trtllm_lite_request_outcomes_total{outcome="cancelled"}', 0.0))
 

@@ -152,8 +152,8 @@ class Guard:
 
 
 async def until_disconnected(request: Request, coro):
-    """Await ``coro``; if the client disconnects first, cancel it (aborting its requests: their
-    the engine frees their blocks) and raise :class:`ClientDisconnected`."""
+    """Await ``coro``; if the client disconnects first, cancel it (aborting its requests: the
+    engine frees their blocks), wait for it to end, and raise :class:`ClientDisconnected`."""
     work = asyncio.ensure_future(coro)
 
     async def watch():
@@ -384,8 +384,9 @@ class OpenAIServer:
                    admission: Admission, ignored: list[str]):
         """Serve ``prompts`` (one ``SamplingParams`` each, in ``params``) as one response, the
         request taken by ``admission`` (AsyncLLM.admit) when it came; ``ignored`` (its unknown
-        fields) are logged once the engine took every prompt (the first outputs came: the
-        engine's own checks, e.g. of the prompt's length, refuse a request as it is added)."""
+        fields) are logged once the request is served: a stream's once every prompt's first
+        output came, a whole answer's once it is ready (the engine's own checks, e.g. of the
+        prompt's length, refuse a request as it is added, before any output)."""
         rid = ("cmpl-" if kind == "text" else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
         fmt = ResponseFormat(self.service, body, kind, rid, created, params[0].n, prompt_texts)

@@ -94,10 +94,10 @@ class Metrics:
                                              "E2E: arrival to finish.", buckets=_REQUEST_BUCKETS, registry=r)
         self.request_queue_time = Histogram(PREFIX + "request_queue_time_seconds",
                                             "Arrival to first scheduled.", buckets=_TTFT_BUCKETS, registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the requests the engine ran "
-                                     "(finished, or cancelled or failed after their first output).", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens, those of requests "
-                                         "cancelled or failed part way included.", registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the requests the engine ran, "
+                                     "however they ended (record_tokens).", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of the requests the "
+                                         "engine ran, however they ended (record_tokens).", registry=r)
         self.request_outcomes = Counter(PREFIX + "request_outcomes",
                                         "Finished sequences by finish reason (stop, length, abort) and failed "
                                         "requests by error (invalid_argument, already_exists, resource_exhausted, "
