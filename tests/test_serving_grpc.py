@@ -431,11 +431,12 @@ def tiny_server(tiny_model, tls_files):
         assert s.stop() == 0
 
 
-@pytest.mark.parametrize("key", ["k\udcff", "k y", "k\u00e9y", "k\t", "\x7f"])
+@pytest.mark.parametrize("key", ["k\udcff", "k y", "k\u00e9y", "k\t", "\x7f", ""])
 def test_an_api_key_no_client_could_send_is_refused_at_start(key):
     """gRPC metadata carries printable ASCII only: a key read from the environment with a byte
     that is not UTF-8 (a surrogate-escaped str) failed every protected call with a 500 / UNKNOWN
-    (QA 24), and a non-ASCII one could never be sent. The server refuses such a key at start."""
+    (QA 24), and a non-ASCII one could never be sent; an empty one (``--api-key "$UNSET"``)
+    served everyone. The server refuses such a key at start."""
     from trtllm_lite.serving.server import ServerConfig
 
     with pytest.raises(ValueError, match="api_key must be printable ASCII"):
@@ -462,6 +463,11 @@ def test_api_key_and_tls(tiny_server, tiny_model):
         with pytest.raises(grpc.RpcError) as e:
             anonymous.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30,
                                         metadata=(("authorization", "Bearer S3CRET"),))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # one authorization entry, as HTTP takes one header (a second one decided before: QA 24)
+        with pytest.raises(grpc.RpcError) as e:
+            anonymous.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30, metadata=(
+                ("authorization", "Bearer wrong"), ("authorization", "Bearer s3cret")))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with LLMClient(server.grpc, tls_root_cert=cert, api_key="wrong", timeout=30) as wrong:
         with pytest.raises(grpc.RpcError) as e:

@@ -6,10 +6,10 @@ import hmac
 
 def bearer_token(authorization: str) -> str | None:
     """The credentials of an ``Authorization: Bearer <token>`` header value, or None when the
-    value uses another scheme. The scheme name is case-insensitive (RFC 7235 section 2.1:
-    ``bearer KEY`` is the same header as ``Bearer KEY``)."""
+    value uses another scheme. The scheme name is case-insensitive and one or more spaces
+    follow it (RFC 7235 section 2.1: ``bearer  KEY`` is the same header as ``Bearer KEY``)."""
     scheme, _, token = authorization.partition(" ")
-    return token if scheme.lower() == "bearer" else None
+    return token.lstrip(" ") if scheme.lower() == "bearer" else None
 
 
 def key_matches(candidate: str | None, api_key: str) -> bool:

@@ -92,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         engine_dir=args.engine, host=args.host, port=args.port, metrics_port=args.metrics_port,
         http_port=args.http_port, served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, tls_cert=args.tls_cert,
+        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV), tls_cert=args.tls_cert,
         tls_key=args.tls_key, max_waiting_requests=args.max_waiting_requests,
         max_message_bytes=args.max_message_bytes, request_timeout=args.request_timeout,
         shutdown_grace=args.shutdown_grace, stream_queue_size=args.stream_queue_size,

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..async_llm import Admission, QueueFullError, tokenizing_size
 from . import openai_protocol as oa
 from .auth import bearer_token, key_matches
-from .engine_service import Accumulator, EngineService, RequestBatch, classify, position_logprobs
+from .engine_service import Accumulator, EngineService, ErrorKind, RequestBatch, classify, position_logprobs
 
 log = logging.getLogger("trtllm_lite.serving")
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize")
@@ -149,6 +149,13 @@ class Guard:
         if self.max_body_bytes is not None and scope.get("method") == "POST":
             return await self._bounded(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+def served(error: BaseException) -> bool:
+    """Whether a request that ended with ``error`` had been taken by the engine (it timed out,
+    its client left, or a step failed), not refused (a bad parameter, a full queue, shutdown)."""
+    return isinstance(error, ClientDisconnected) or classify(error) in (ErrorKind.DEADLINE_EXCEEDED,
+                                                                        ErrorKind.INTERNAL)
 
 
 async def until_disconnected(request: Request, coro):
@@ -292,9 +299,10 @@ class OpenAIServer:
         Unknown fields are ignored, as vLLM and OpenAI tolerate the extras client libraries
         send; like vLLM, the server logs their names once per request it serves
         (:meth:`_log_ignored`: a stream's once every prompt's first output came, a whole
-        answer's once it is ready; a request refused, for its parameters or by the engine's own
-        checks, logs none: its error says what was wrong), so a misspelt option (``max_token``)
-        is visible in the log rather than silently served at its default."""
+        answer's once it is ready, or when a request the engine took times out, fails or loses
+        its client; a request refused, for its parameters or by the engine's own checks, logs
+        none: its error says what was wrong), so a misspelt option (``max_token``) is visible
+        in the log rather than silently served at its default."""
         if body.model is not None and body.model != self.service.model_name:
             raise NotFound(f"model {body.model!r} does not exist; this server serves {self.service.model_name!r}")
         ignored = list(body.model_extra or ())
@@ -460,6 +468,8 @@ class OpenAIServer:
             try:   # errors from here on are counted where the engine raises them (engine_service)
                 return await self._run(request, body, prompts, params, "text", texts, admission, ignored)
             except Exception as e:  # noqa: BLE001 - every request error becomes an HTTP status
+                if served(e):   # it ran, then timed out, failed or lost its client: say what was ignored
+                    self._log_ignored(ignored)
                 return error_response(e)
 
     async def chat(self, body: oa.ChatCompletionRequest, request: Request):
@@ -480,6 +490,8 @@ class OpenAIServer:
             try:
                 return await self._run(request, body, [ids], [params], "chat", None, admission, ignored)
             except Exception as e:  # noqa: BLE001
+                if served(e):   # it ran, then timed out, failed or lost its client: say what was ignored
+                    self._log_ignored(ignored)
                 return error_response(e)
 
 

@@ -76,9 +76,9 @@ class ServerConfig:
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
-        if self.api_key and not key_is_sendable(self.api_key):
-            raise ValueError("api_key must be printable ASCII without spaces (gRPC metadata and HTTP headers "
-                             "carry it as is): a key with other characters could never be sent")
+        if self.api_key is not None and not key_is_sendable(self.api_key):   # "" too: no open server by mistake
+            raise ValueError("api_key must be printable ASCII without spaces, and not empty (gRPC metadata and "
+                             "HTTP headers carry it as is): a key with other characters could never be sent")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.served_model_name is None:
@@ -86,12 +86,15 @@ class ServerConfig:
 
 
 def _key_ok(metadata, api_key: str) -> bool:
+    """One ``authorization: Bearer KEY`` or one ``x-api-key: KEY`` entry holds the key (a name
+    given twice counts for nothing, as HTTP refuses two Authorization headers)."""
+    values = {"authorization": [], "x-api-key": []}
     for key, value in metadata or ():
-        if key == "authorization" and key_matches(bearer_token(value), api_key):
-            return True
-        if key == "x-api-key" and key_matches(value, api_key):
-            return True
-    return False
+        if key in values:
+            values[key].append(value)
+    auth, keys = values["authorization"], values["x-api-key"]
+    return (len(auth) == 1 and key_matches(bearer_token(auth[0]), api_key)) or \
+        (len(keys) == 1 and key_matches(keys[0], api_key))
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
