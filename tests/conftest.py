@@ -119,6 +119,9 @@ def cpu_flags() -> set:
         return set()
 
 
+_KERNEL_LIBRARIES: dict[str, str] = {}   # variant -> path: each build once per session (~15 s each)
+
+
 def build_kernel_library(variant: str, tmp_path_factory) -> str:
     """trtllm-lite's ONNX Runtime kernel library as the runtime builds it (``native``:
     ``-march=native``), with AVX-512 off (``avx2``: the AVX2 loops, where the CPU has AVX2,
@@ -135,10 +138,15 @@ def build_kernel_library(variant: str, tmp_path_factory) -> str:
         pytest.skip("the native build is the AVX2 build on this CPU (no AVX-512)")
     if variant == "no-vnni" and "avx512_vnni" not in cpu:
         pytest.skip("the native build has no VNNI loop on this CPU")
+    if variant in _KERNEL_LIBRARIES:   # (kernel_library and op_library share the builds)
+        return _KERNEL_LIBRARIES[variant]
     try:
         if variant == "native":
-            return str(build_library())
-        return str(build_library(tmp_path_factory.mktemp(f"{variant}_kernels"), flags[variant]))
+            path = str(build_library())
+        else:
+            path = str(build_library(tmp_path_factory.mktemp(f"{variant}_kernels"), flags[variant]))
+        _KERNEL_LIBRARIES[variant] = path
+        return path
     except KernelBuildError as e:
         pytest.skip(f"trtllm-lite's ONNX Runtime kernels do not build here: {e}")
 
