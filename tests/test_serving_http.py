@@ -354,13 +354,19 @@ def test_client_leaving_a_stream_during_its_prompt_aborts_it_then(server, grpc_c
 
 
 def test_client_leaving_a_non_streamed_request_frees_blocks(server, grpc_client):
-    """... and its unknown fields are logged: the engine ran it (QA 24: a request that never
-    answered, timed out or left, logged none, where the misspelt field may be why)."""
+    """... counts as cancelled (its 499 reaches no one), and its unknown fields are logged: the
+    engine ran it (QA 24: a request that never answered, timed out or left, logged none, where
+    the misspelt field may be why)."""
+    def cancelled():
+        return metric_values(server).get('trtllm_lite_request_outcomes_total{outcome="cancelled"}', 0.0)
+
+    before = cancelled()
     body = {"model": "smollm2", "prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True,
             "zz_left_early": 1}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"http://{server.http}/v1/completions", json=body, timeout=1.5)
     assert wait_until(lambda: idle_blocks(grpc_client), timeout=15)
+    assert wait_until(lambda: cancelled() == before + 1, timeout=15)
     assert wait_until(lambda: any("request fields ignored" in line and "zz_left_early" in line
                                   for line in server.stderr_lines), timeout=10)
 

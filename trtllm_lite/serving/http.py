@@ -77,7 +77,8 @@ class ClientDisconnected(Exception):
 _EMPTY_BODY = "the body is empty: send a JSON object of the request's fields"
 
 
-# nginx's "client closed request": the status of a response no client reads (the access log's)
+# nginx's "client closed request": the status of a response no client reads (the server keeps
+# no access log; the request counts as "cancelled" in the request outcomes)
 CLIENT_CLOSED_REQUEST = 499
 
 
