@@ -67,6 +67,38 @@ def test_seeded_sampling_identical_with_and_without_speculation(smollm2_llm, spe
     assert [sorted(x) for x in a.logprobs] == [sorted(x) for x in c.logprobs]
 
 
+def test_n_samples_all_start_after_the_prompt_when_its_last_chunk_carried_drafts(smollm2_engine, smollm2_llm,
+                                                                                 spec_llm):
+    """A prompt whose last prefill chunk is one token is proposed drafts with that chunk; the
+    n samples must all start from the logits after the prompt, as without speculation (QA 25:
+    samples 2..n took the last draft's row), and a block past the prompt's that holds drafts
+    must not be shared with the other samples (they would write their own tokens into it)."""
+    ids = grounded_ids(smollm2_llm) * 3
+    # 129 tokens at spec_llm's budget of 64: chunks of 64, 64 and 1, drafts in the prompt's last
+    # block; 157 at a budget of 13: twelve chunks of 13, then 1 at position 156, whose drafts
+    # (157-160) reach into the next block
+    small_budget = LLM(smollm2_engine, num_kv_blocks=256, verify_checksums=False, max_num_seqs=8,
+                       max_num_batched_tokens=13, enable_prefix_caching=False,   # (every run chunked)
+                       speculative_config=NGRAM)
+    for llm, prompt in ((spec_llm, ids[:129]), (small_budget, ids[:157])):
+        for params in (SamplingParams(max_tokens=16, temperature=0, n=2),
+                       SamplingParams(max_tokens=16, temperature=0.8, seed=7, n=3)):
+            want = [c.token_ids for c in smollm2_llm.generate([prompt], params)[0].outputs]
+            got = [c.token_ids for c in llm.generate([prompt], params)[0].outputs]
+            assert got == want, (len(prompt), params)
+        assert llm.engine.stats()["spec_num_drafts"] > 0
+    # after every step no sequence shares a block past its computed tokens (its next writes
+    # go there); the fork once shared the parent's draft block with the children
+    engine = small_budget.engine
+    engine.add_request(ids[:157], SamplingParams(max_tokens=12, temperature=0, n=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            ahead = seq.block_table[-(-seq.num_computed_tokens // engine.block_size):]
+            assert all(engine.kv.pool.ref_counts[block] == 1 for block in ahead), seq.index
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
 def test_draft_model_proposer_greedy_identical_and_frees_blocks(tiny_model, tmp_path):
     from builder.build import BuildConfig, build_engine
     from tests.conftest import make_tiny_hf
@@ -90,6 +122,29 @@ def test_draft_model_proposer_greedy_identical_and_frees_blocks(tiny_model, tmp_
         assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks  # target blocks back
         if draft == engine_dir:
             assert llm.engine.stats()["spec_acceptance_rate"] > 0.9
+
+
+def test_a_draft_with_a_shorter_max_seq_len_stops_proposing_at_its_end(tiny_model, tmp_path):
+    """A draft engine built for fewer positions than the target proposes up to its last one,
+    then no more: the target's output is unchanged (QA 25: the request failed at the draft's
+    rotary tables)."""
+    from builder.build import BuildConfig, build_engine
+    from tests.conftest import make_tiny_hf
+
+    _, engine_dir = tiny_model("llama-gqa")
+    draft_dir = build_engine(make_tiny_hf("llama-gqa", str(tmp_path / "hf")), str(tmp_path / "draft"),
+                             BuildConfig(max_seq_len=32, max_num_batched_tokens=32, max_num_seqs=16,
+                                         block_size=4))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, 20).tolist(), rng.integers(0, 256, 40).tolist()]   # cross it, start past it
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = [o.outputs[0].token_ids for o in LLM(engine_dir, num_kv_blocks=64).generate(prompts, params)]
+    llm = LLM(engine_dir, num_kv_blocks=64, speculative_config={
+        "method": "draft_model", "draft_engine": draft_dir, "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == base
+    assert llm.engine.stats()["spec_num_drafts"] > 0
+    proposer = llm.engine.proposer
+    assert proposer.kv.pool.num_free == proposer.kv.pool.num_blocks
 
 
 def test_sampled_distribution_unchanged_by_speculation(tiny_model):

@@ -371,10 +371,13 @@ class LLMEngine:
             if not drafts:
                 self.kv.cache_full_blocks(seq)
             if item.samples:
-                to_verify.append((seq, list(range(row - 1 - len(drafts), row)), drafts))
+                first_sample_row = row - 1 - len(drafts)   # the logits after the last computed token
+                to_verify.append((seq, list(range(first_sample_row, row)), drafts))
                 request = seq.request
                 if seq.index == 0 and len(request.seqs) < request.params.n:
-                    to_verify += [(child, [row - 1], []) for child in self._fork(seq)]
+                    # the other samples of a prompt whose last prefill chunk carried drafts
+                    # start from the same row as the first (QA 25: they took the last draft's)
+                    to_verify += [(child, [first_sample_row], []) for child in self._fork(seq)]
         if not to_verify:
             return []
         changed = self._sample_and_verify(logits, to_verify, now)
@@ -492,6 +495,13 @@ class LLMEngine:
             child.first_scheduled_time = parent.first_scheduled_time
             child.status = SequenceStatus.RUNNING
             self.kv.fork(parent, child)
+            # not the blocks past the prompt that hold the parent's draft tokens (speculative
+            # decoding): the child would write its own tokens into them, shared, unseen by
+            # copy-on-write (which copies only a partly filled block)
+            keep = -(-child.num_computed_tokens // self.block_size)
+            if len(child.block_table) > keep:
+                self.kv.pool.free(child.block_table[keep:])
+                del child.block_table[keep:]
             self.scheduler.running.append(child)
             request.seqs.append(child)
             children.append(child)

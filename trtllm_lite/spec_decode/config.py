@@ -1,7 +1,12 @@
 """``speculative_config`` in the vLLM habit."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -37,15 +42,24 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+        if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens!r}")
+        # (QA 25: a string failed with a TypeError naming nothing; 0 or less was kept, or
+        # silently replaced by the default)
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "backoff_probe_interval"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.draft_num_kv_blocks is not None and (not _is_int(self.draft_num_kv_blocks)
+                                                     or self.draft_num_kv_blocks < 1):
+            raise ValueError(f"draft_num_kv_blocks must be an integer >= 1, got {self.draft_num_kv_blocks!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be >= 1 and <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
         if self.method == "draft_model" and not self.draft_engine:
             raise ValueError("speculative_config method 'draft_model' needs draft_engine")
-        if not 0 <= self.min_acceptance_rate <= 1:
-            raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate}")
+        if isinstance(self.min_acceptance_rate, bool) or not isinstance(self.min_acceptance_rate, numbers.Real) \
+                or not 0 <= self.min_acceptance_rate <= 1:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")
 
     @classmethod
     def from_any(cls, value) -> "SpeculativeConfig | None":

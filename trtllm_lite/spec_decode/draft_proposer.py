@@ -60,6 +60,9 @@ class DraftModelProposer:
                              f"the target's {vocab_size}")
         self.k = k
         self.block_size = self.engine.build["block_size"]
+        # the draft's graphs hold positions [0, max_seq_len): a sequence past them gets no more
+        # proposals (a shorter draft failed the request at its rotary tables; QA 25)
+        self.max_seq_len = self.engine.build["max_seq_len"]
         self.runner = OnnxRuntimeRunner(self.engine, num_kv_blocks, num_threads)
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, enable_prefix_caching=False)
         self.states: dict[object, DraftState] = {}
@@ -78,11 +81,15 @@ class DraftModelProposer:
             del state.block_table[need:]
 
     def propose(self, seqs, limits: list[int]) -> list[list[int]]:
-        """Up to ``limits[i]`` (<= k) greedy draft tokens for each sequence."""
+        """Up to ``limits[i]`` (<= k) greedy draft tokens for each sequence; none for the
+        draft's positions past its ``max_seq_len``."""
         drafts: list[list[int]] = [[] for _ in seqs]
-        active = []
+        limits, active = list(limits), []
         for i, (seq, lim) in enumerate(zip(seqs, limits)):
+            # draft j (from 0) is computed at position len(token_ids) - 1 + j
+            lim = limits[i] = min(lim, self.max_seq_len + 1 - len(seq.token_ids))
             if lim <= 0:
+                self.release(seq)   # (its draft blocks: it will not propose again)
                 continue
             state = self.states.setdefault(seq, DraftState())
             keep = min(common_prefix(state.token_ids[:state.num_computed_tokens], seq.token_ids),
