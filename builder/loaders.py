@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -95,7 +96,9 @@ def load_model(model: str) -> LoadedModel:
     path = resolve_model_path(model)
     is_gguf = path.lower().endswith(".gguf")
     try:
-        return load_gguf(path) if is_gguf else load_hf_dir(path)
+        loaded = load_gguf(path) if is_gguf else load_hf_dir(path)
+        check_weight_shapes(loaded.config, loaded.weights)
+        return loaded
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"--model {model!r}: {e}") from e
     except (OSError, MemoryError):   # (OSError names its path)
@@ -104,6 +107,45 @@ def load_model(model: str) -> LoadedModel:
         what = "a GGUF file" if is_gguf else "a Hugging Face checkpoint (config.json, *.safetensors)"
         raise ValueError(f"--model {model!r}: cannot read {path} as {what}: "
                          f"{type(e).__name__}: {e}") from e
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight the graphs read (our names: ``layers.{i}.qkv.weight`` is the
+    q, k and v projections stacked, ``gate_up`` the gate and up projections), from the config."""
+    h, v, d = config.hidden_size, config.vocab_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * d
+    gated = config.family == "llama"
+    mlp_in = ("gate_up", 2 * config.intermediate_size) if gated else ("up", config.intermediate_size)
+    shapes = {"embed.weight": (v, h), "lm_head.weight": (v, h), "final_norm.weight": (h,),
+              "final_norm.bias": (h,), "pos_embed.weight": (config.max_position_embeddings, h)}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attn_norm.weight": (h,), p + "attn_norm.bias": (h,), p + "mlp_norm.weight": (h,),
+                       p + "mlp_norm.bias": (h,), p + "qkv.weight": (qkv, h), p + "qkv.bias": (qkv,),
+                       p + "o.weight": (h, config.num_heads * d), p + "o.bias": (h,),
+                       p + f"{mlp_in[0]}.weight": (mlp_in[1], h), p + f"{mlp_in[0]}.bias": (mlp_in[1],),
+                       p + "down.weight": (h, config.intermediate_size), p + "down.bias": (h,)})
+    return shapes
+
+
+def check_weight_shapes(config: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+    """Raise :class:`UnsupportedModelError` naming the first weight whose shape differs from
+    what the config says (QA 25: a q_proj cut short failed in the compile check with a
+    traceback about RotarySplitQKV's heads). GPT-2's learned positions may be more than the
+    config's ``n_positions`` rows, never fewer."""
+    expected = expected_weight_shapes(config)
+    for name, array in weights.items():
+        want = expected.get(name)
+        if want is None:
+            continue
+        got = tuple(array.shape)
+        if got != want and not (name == "pos_embed.weight" and len(got) == 2 and got[1] == want[1]
+                                and got[0] >= want[0]):
+            raise UnsupportedModelError(
+                f"weight {name} has shape {list(got)}, but the config makes it {list(want)} (hidden_size "
+                f"{config.hidden_size}, heads {config.num_heads}/{config.num_kv_heads} kv x head_dim "
+                f"{config.head_dim}, intermediate_size {config.intermediate_size}, vocab_size "
+                f"{config.vocab_size})")
 
 
 # ---------------------------------------------------------------------------------------
@@ -118,13 +160,16 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     if arch in LLAMA_FAMILY:
         heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):   # (the graphs' MLP is SiLU-gated; QA 25 got SiLU for gelu)
+            raise UnsupportedModelError(f"{arch} hidden_act {act!r} is not supported (only 'silu')")
         return ModelConfig(
             architecture=arch, family="llama",
             num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=_positions_within_sliding_window(cfg, arch),
             norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta")
             or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0),
             rope_scaling=_rope_scaling(cfg),
@@ -137,6 +182,11 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         act = cfg.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise UnsupportedModelError(f"GPT-2 activation_function {act!r} is not supported")
+        # attention scaled by 1 / sqrt(head_dim) only (QA 25: these were silently ignored)
+        if cfg.get("scale_attn_by_inverse_layer_idx"):
+            raise UnsupportedModelError("GPT-2 scale_attn_by_inverse_layer_idx=True is not supported")
+        if not cfg.get("scale_attn_weights", True):
+            raise UnsupportedModelError("GPT-2 scale_attn_weights=False is not supported")
         return ModelConfig(
             architecture=arch, family="gpt2", num_layers=cfg["n_layer"], hidden_size=hidden,
             num_heads=cfg["n_head"], num_kv_heads=cfg["n_head"], head_dim=hidden // cfg["n_head"],
@@ -146,6 +196,24 @@ def config_from_hf(cfg: dict) -> ModelConfig:
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
     raise UnsupportedModelError(
         f"unsupported architecture {arch!r}; supported: {sorted(LLAMA_FAMILY | GPT2_FAMILY)}")
+
+
+def _positions_within_sliding_window(cfg: dict, arch: str) -> int:
+    """``max_position_embeddings``, capped at the sliding attention window where the model has
+    one (Mistral's ``sliding_window``; Qwen2's where ``use_sliding_window``): the graphs attend
+    to every earlier position, which equals sliding-window attention only for sequences that
+    fit in the window (vLLM capped ``max_model_len`` so where its kernels had no window).
+    Mistral with ``sliding_window=8`` was ~1-4 off in log-probability past 8 tokens (QA 25)."""
+    positions = cfg.get("max_position_embeddings", 4096)
+    window = cfg.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        window = None
+    if isinstance(window, int) and 0 < window < positions:
+        warnings.warn(f"{arch} attends within a sliding window of {window} tokens, which the engine "
+                      f"does not implement: max_seq_len is capped at {window} (from {positions})",
+                      stacklevel=3)
+        return window
+    return positions
 
 
 def _rope_scaling(cfg: dict) -> dict | None:

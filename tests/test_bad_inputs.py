@@ -193,6 +193,55 @@ def test_unsupported_architecture_and_missing_tensor(tmp_path):
         load_hf_dir(d)
 
 
+def test_a_weight_of_the_wrong_shape_is_named(tmp_path):
+    """QA 25: a q_proj cut short failed the build's compile check with a traceback about
+    RotarySplitQKV's heads; the loader names the weight and the config's shape."""
+    from safetensors.torch import load_file, save_file
+
+    from builder.loaders import load_model
+    from builder.model_config import UnsupportedModelError
+    from tests.conftest import make_tiny_hf
+
+    d = make_tiny_hf("llama-gqa", str(tmp_path / "m"))
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name][:32].clone()
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"layers\.0\.qkv\.weight has shape \[96, 64\], but the "
+                                                    r"config makes it \[128, 64\]"):
+        load_model(d)
+
+
+def test_model_settings_the_graphs_lack_are_refused_or_capped():
+    """QA 25: these were ignored, and the engine disagreed with HF (SiLU for GELU, no
+    per-layer attention scale, full attention for a sliding window)."""
+    import warnings
+
+    from builder.loaders import config_from_hf
+    from builder.model_config import UnsupportedModelError
+
+    llama = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96, "vocab_size": 256,
+             "max_position_embeddings": 64}
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
+        config_from_hf(dict(llama, hidden_act="gelu"))
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256,
+            "n_positions": 64}
+    with pytest.raises(UnsupportedModelError, match="scale_attn_by_inverse_layer_idx"):
+        config_from_hf(dict(gpt2, scale_attn_by_inverse_layer_idx=True))
+    with pytest.raises(UnsupportedModelError, match="scale_attn_weights"):
+        config_from_hf(dict(gpt2, scale_attn_weights=False))
+    with pytest.warns(UserWarning, match="sliding window of 8 tokens"):
+        capped = config_from_hf(dict(llama, architectures=["MistralForCausalLM"], sliding_window=8))
+    assert capped.max_position_embeddings == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # Qwen2 names a window it does not use; Mistral's may be null
+        assert config_from_hf(dict(llama, architectures=["Qwen2ForCausalLM"], sliding_window=8,
+                                   use_sliding_window=False)).max_position_embeddings == 64
+        assert config_from_hf(dict(llama, architectures=["MistralForCausalLM"],
+                                   sliding_window=None)).max_position_embeddings == 64
+
+
 def test_a_build_stopped_part_way_over_an_engine_leaves_no_manifest(tiny_model, tmp_path, monkeypatch):
     """Rebuilding into an engine's directory and stopping part way (here: the export fails)
     leaves the directory without engine.json, so loading it says it is unfinished instead of
