@@ -124,6 +124,24 @@ def test_other_format_version(smollm2_engine, tmp_path):
         LLM(d)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: [m], "is not a JSON object"),
+    (lambda m: {k: v for k, v in m.items() if k != "build"}, "'build' is missing"),
+    (lambda m: {**m, "build": {**m["build"], "block_size": 0}}, "build.block_size must be a positive integer"),
+    (lambda m: {**m, "model": {**m["model"], "vocab_size": "300"}}, "model.vocab_size must be a positive"),
+    (lambda m: {**m, "build": {**m["build"], "max_seq_len": -5}}, "build.max_seq_len must be a positive"),
+    (lambda m: b"\xff\xfe not json", "is not valid JSON"),
+])
+def test_malformed_manifest_is_refused_naming_the_field(smollm2_engine, tmp_path, edit, message):
+    """A hand-edited engine.json fails at load with the field named (QA 25: KeyError,
+    ZeroDivisionError and TypeError tracebacks from deep in the runtime)."""
+    manifest = edit(json.load(open(os.path.join(smollm2_engine, "engine.json"))))
+    path = tmp_path / "engine.json"
+    path.write_bytes(manifest) if isinstance(manifest, bytes) else path.write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match=message):
+        LLM(str(tmp_path))
+
+
 def test_checksum_mismatch_names_the_file(smollm2_engine, tmp_path):
     d = copy_engine(smollm2_engine, str(tmp_path / "e"))
     with open(os.path.join(d, "decode.onnx"), "ab") as f:
@@ -373,3 +391,92 @@ def test_bad_words_longer_than_max_seq_len_tokens_can_cover_are_refused_untokeni
         engine.make_request("Hi", SamplingParams(max_tokens=2, bad_words=["ok\ud800"]))
     out = smollm2_llm.generate(["Hi"], SamplingParams(max_tokens=2, temperature=0, bad_words=["x" * 100]))
     assert out[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("n", 0, "n must be"), ("max_tokens", -5, "max_tokens must be"), ("logit_bias", {-3: 5.0}, "logit_bias"),
+    ("temperature", -1.0, "temperature"), ("seed", "abc", "seed"), ("logprobs", 1000, "logprobs"),
+])
+def test_sampling_params_changed_after_they_were_made_are_checked_again(smollm2_llm, field, value, match):
+    """QA 25: n = 0 set on a made SamplingParams spun forever, a negative logit_bias id
+    biased the vocabulary's end, logprobs = 1000 failed inside a step."""
+    params = SamplingParams(max_tokens=2, temperature=0)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=match):
+        smollm2_llm.generate([[1, 2, 3]], params)
+    assert smollm2_llm.engine.kv.pool.num_free == smollm2_llm.engine.kv.pool.num_blocks
+
+
+def test_a_request_keeps_the_sampling_params_it_was_given(smollm2_llm):
+    """Each request checks and keeps its own copy (as vLLM clones them): a change made to the
+    caller's object after the request was added does not reach it."""
+    engine = smollm2_llm.engine
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    rid = engine.add_request([1, 2, 3], params)
+    params.max_tokens = 50
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == rid]
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == 3
+
+
+@pytest.mark.parametrize("messages, error, match", [
+    ({"role": "user", "content": "Hi"}, TypeError, "messages must be a list"),
+    ([[]], ValueError, "messages is empty"),
+    ([{"role": "user", "content": None}], ValueError, r"messages\[0\]\.content must be a string"),
+    ([{"role": "user", "content": "Hi"}, {"role": 3, "content": "x"}], ValueError, r"messages\[1\]\.role"),
+])
+def test_chat_messages_of_the_wrong_form_are_refused(smollm2_llm, messages, error, match):
+    """QA 25: a single message dict was a KeyError 0, a None content a Jinja TypeError, and an
+    empty conversation was generated from."""
+    with pytest.raises(error, match=match):
+        smollm2_llm.chat(messages, SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_kv_blocks=10 ** 12), "more than this machine's memory"), (dict(num_kv_blocks=10.5), "num_kv_blocks"),
+    (dict(num_kv_blocks=True), "num_kv_blocks"), (dict(kv_cache_memory_bytes="1e6"), "kv_cache_memory_bytes"),
+    (dict(num_threads=0), "num_threads"), (dict(max_waiting="5"), "max_waiting"), (dict(seed="x"), "seed"),
+    (dict(speculative_config={"method": "ngram", "prompt_lookup_min": "1"}), "prompt_lookup_min"),
+    (dict(speculative_config={"method": "ngram", "backoff_probe_interval": 0}), "backoff_probe_interval"),
+    (dict(speculative_config={"method": "ngram", "draft_num_kv_blocks": 0}), "draft_num_kv_blocks"),
+])
+def test_engine_options_of_the_wrong_type_or_range_are_named(tiny_model, kwargs, match):
+    """QA 25: these failed inside numpy or ONNX Runtime naming nothing, or were accepted."""
+    _, engine_dir = tiny_model("llama-gqa")
+    with pytest.raises(ValueError, match=match):
+        LLM(engine_dir, **kwargs)
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(tiny_model):
+    """A tiny test engine has no tokenizer, so no text to match stop strings against (QA 25: an
+    AttributeError); stop_token_ids work."""
+    _, engine_dir = tiny_model("llama-gqa")
+    llm = LLM(engine_dir, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="stop needs a tokenizer"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, stop=["x"]))
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, stop_token_ids=[9999 % 256]))
+    assert len(out[0].outputs[0].token_ids) >= 1
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+def test_bench_cli_refuses_counts_below_one_before_it_runs(tiny_model, tmp_path, capsys):
+    """QA 25: --num-requests 0 failed with a KeyError after the latency runs, an unwritable
+    --json after the whole run, and a vocabulary of 1,000 or fewer could not draw prompts."""
+    from trtllm_lite.cli import main
+    from trtllm_lite.commands.bench import random_prompts
+
+    _, engine_dir = tiny_model("llama-gqa")
+    for flags, message in ((["--num-requests", "0"], "--num-requests must be at least 1"),
+                           (["--concurrency", "4", "0"], "--concurrency must be at least 1"),
+                           (["--output-len", "0"], "--output-len must be at least 1"),
+                           (["--json", str(tmp_path / "missing" / "out.json")], "--json")):
+        assert main(["bench", "--engine", engine_dir, *flags]) != 0
+        assert message in capsys.readouterr().err
+    ids = random_prompts(2, 5, 256, seed=0)
+    assert all(128 <= t < 256 for p in ids for t in p)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--engine", engine_dir, "--prompt-lens", "8", "--decode-tokens", "4",
+                 "--num-requests", "2", "--input-len", "8", "--output-len", "4", "--concurrency", "2",
+                 "--json", str(out)]) == 0
+    assert json.load(open(out))["throughput"][0]["num_requests"] == 2

@@ -98,12 +98,33 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+# the sizes the runtime computes with: positive integers in every manifest
+_SIZES = {"model": ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size"),
+          "build": ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len")}
+
+
+def _check_sizes(manifest: dict, manifest_path: str) -> None:
+    """Raise :class:`EngineError` naming the field where ``model`` or ``build`` is not an
+    object or one of their :data:`_SIZES` is not a positive integer (a hand-edited manifest
+    failed later with a KeyError or a ZeroDivisionError; QA 25)."""
+    for section, fields in _SIZES.items():
+        values = manifest.get(section)
+        if not isinstance(values, dict):
+            raise EngineError(f"{manifest_path}: {section!r} is missing or not an object")
+        for name in fields:
+            value = values.get(name)
+            if type(value) is not int or value < 1:
+                raise EngineError(f"{manifest_path}: {section}.{name} must be a positive integer, "
+                                  f"got {value!r}")
+
+
 def load_engine_dir(path: str, verify_checksums: bool = True,
                     expected_backend: str | None = None) -> EngineDir:
     """Read and validate ``path/engine.json``.
 
     Raises:
-        EngineError: the directory or manifest is missing, its ``format_version`` differs from
+        EngineError: the directory or manifest is missing or malformed (not a JSON object, a
+            size not a positive integer: the message names the field), its ``format_version`` differs from
             :data:`ENGINE_FORMAT_VERSION`, its backend differs from ``expected_backend``, its
             ``kv_cache_dtype`` is not one of :data:`KV_CACHE_DTYPES`, or a file is missing or
             fails its sha256 (the message names the file).
@@ -116,19 +137,22 @@ def load_engine_dir(path: str, verify_checksums: bool = True,
     if not os.path.isfile(manifest_path):
         raise EngineError(f"{path!r} is not an engine directory: {MANIFEST} is missing")
     try:
-        with open(manifest_path) as f:
+        with open(manifest_path, encoding="utf-8") as f:
             manifest = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EngineError(f"{manifest_path} is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise EngineError(f"{manifest_path} is not a JSON object (a manifest)")
     version = manifest.get("format_version")
     if version != ENGINE_FORMAT_VERSION:
         raise EngineError(f"engine {path!r} has format_version {version!r}; this runtime reads "
                           f"format_version {ENGINE_FORMAT_VERSION}: rebuild it with this version")
-    backend = manifest.get("build", {}).get("backend")
+    _check_sizes(manifest, manifest_path)
+    backend = manifest["build"].get("backend")
     if expected_backend is not None and backend != expected_backend:
         raise EngineError(f"engine {path!r} was built for backend {backend!r}, not {expected_backend!r}")
     try:
-        check_kv_cache_dtype_name(manifest.get("build", {}).get("kv_cache_dtype", "float32"))
+        check_kv_cache_dtype_name(manifest["build"].get("kv_cache_dtype", "float32"))
     except ValueError as e:
         raise EngineError(f"engine {path!r}: {e}; rebuild it with --kv-cache-dtype") from None
     for name, digest in manifest.get("files", {}).items():

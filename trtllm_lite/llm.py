@@ -66,7 +66,17 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, *, cache_salt: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (list of ``{"role", "content"}``) or a list
-        of them, through the model's chat template (``cache_salt`` as in :meth:`generate`)."""
+        of them, through the model's chat template (``cache_salt`` as in :meth:`generate`).
+
+        Raises:
+            TypeError: ``messages`` is not a list.
+            ValueError: a conversation is empty, a message lacks a string ``role`` or
+                ``content``, the engine has no tokenizer or chat template, or as
+                :meth:`generate` raises for the rendered prompts and ``sampling_params``.
+        """
+        if not isinstance(messages, list):   # (one message dict: KeyError 0, QA 25)
+            raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts (one conversation) "
+                            f"or a list of such lists, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt)
                    if self.engine.tokenizer else _no_tokenizer() for c in conversations]

@@ -101,6 +101,12 @@ class Tokenizer:
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if not messages:   # (QA 25: an empty conversation was rendered and generated from)
+            raise ValueError("messages is empty")
+        for i, m in enumerate(messages):   # (a None or int content failed inside the template)
+            for key in ("role", "content"):
+                if not isinstance(m[key], str):
+                    raise ValueError(f"messages[{i}].{key} must be a string, got {type(m[key]).__name__}")
         return _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
 

@@ -11,8 +11,9 @@ bandwidth / compute bounds. Terms as in vLLM's benchmarks:
   total tokens/s adds the prompt tokens.
 
 Prompts are random token ids from a seeded generator (ids 1000..vocab-1, no special
-tokens) and every request is greedy with ``ignore_eos`` so each produces exactly its
-``max_tokens``: runs are repeatable and peers can be fed the very same ids.
+tokens; vocab/2..vocab-1 for a vocabulary under 2,000) and every request is greedy with
+``ignore_eos`` so each produces exactly its ``max_tokens``: runs are repeatable and peers can
+be fed the very same ids.
 """
 from __future__ import annotations
 
@@ -29,10 +30,13 @@ from ..sampling_params import SamplingParams
 
 
 def random_prompts(num: int, lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    """``num`` prompts of random token ids; ``lengths`` is an int or a sequence of ``num`` ints."""
+    """``num`` prompts of random token ids in ``[1000, vocab_size)`` (``[vocab_size // 2,
+    vocab_size)`` for a vocabulary under 2,000: a tiny test model's); ``lengths`` is an int or
+    a sequence of ``num`` ints."""
     rng = np.random.default_rng(seed)
     lens = [int(lengths)] * num if np.isscalar(lengths) else [int(x) for x in lengths]
-    return [rng.integers(1000, vocab_size, n).tolist() for n in lens]
+    low = min(1000, vocab_size // 2)
+    return [rng.integers(low, vocab_size, n).tolist() for n in lens]
 
 
 def random_lengths(num: int, low: int, high: int, seed: int) -> list[int]:
@@ -168,9 +172,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse counts below 1 and a ``--json`` path that cannot be written, before the engine
+    loads (QA 25: a count of 0 failed with a KeyError after the latency runs, an unwritable
+    path after the whole run).
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    counts = {"--num-requests": [args.num_requests], "--input-len": [args.input_len],
+              "--output-len": [args.output_len], "--decode-tokens": [args.decode_tokens],
+              "--prompt-lens": args.prompt_lens, "--concurrency": args.concurrency}
+    for flag, values in counts.items():
+        if any(v < 1 for v in values):
+            raise ValueError(f"{flag} must be at least 1, got {' '.join(map(str, values))}")
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--json {args.json!r} cannot be written (not a file in a writable folder)")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..core.llm_engine import LLMEngine
 
+    check_arguments(args)
     if args.accuracy_level is not None:
         os.environ["TRTLLM_LITE_ORT_ACCURACY_LEVEL"] = str(args.accuracy_level)
     if args.no_spinning:

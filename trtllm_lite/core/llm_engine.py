@@ -1,8 +1,10 @@
 """The step loop: validate and add requests, schedule, run, sample, stop, detokenize."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
+import os
 import time
 
 import numpy as np
@@ -70,6 +72,14 @@ def default_max_num_batched_tokens(build: dict, max_num_seqs: int, offline: bool
     return min(build["max_num_batched_tokens"], max(cap, max_num_seqs))
 
 
+def physical_memory_bytes() -> int:
+    """The machine's RAM in bytes (``sysconf``; 2**62 where it cannot say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
 class LLMEngine:
     """Owns the runner, the KV cache manager and the scheduler; :meth:`step` runs one step.
 
@@ -97,7 +107,9 @@ class LLMEngine:
 
     Raises:
         EngineError: the engine directory is missing, of another format, or corrupted.
-        ValueError: an option is out of range (the message names it), or
+        ValueError: an option is not an integer or out of range (the message names it),
+            ``num_kv_blocks`` needs more memory than the machine has (ONNX Runtime: host
+            memory), or
             ``max_num_batched_tokens`` (given or default) is below ``max_num_seqs``.
     """
 
@@ -126,8 +138,14 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens ({limits['max_num_batched_tokens']}) must be greater than "
                              f"or equal to max_num_seqs ({limits['max_num_seqs']}): a step must hold one "
                              "token of every running sequence")
-        if max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        # (QA 25: strings, floats and bools failed inside numpy or ONNX Runtime, naming nothing)
+        for name, value in (("kv_cache_memory_bytes", kv_cache_memory_bytes), ("num_kv_blocks", num_kv_blocks),
+                            ("num_threads", num_threads), ("max_waiting", max_waiting)):
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0):
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         self.scheduler_config = SchedulerConfig(enable_chunked_prefill=enable_chunked_prefill,
                                                 max_waiting=max_waiting, **limits)
         self.block_size = build["block_size"]
@@ -140,8 +158,9 @@ class LLMEngine:
                 raise ValueError(f"kv_cache_memory_bytes {budget} is below one KV block ({bytes_per_block} bytes)")
             most = limits["max_num_seqs"] * -(-limits["max_seq_len"] // self.block_size)
             num_kv_blocks = min(budget // bytes_per_block, most)
-        elif num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        elif self.engine.backend == "onnxruntime" and num_kv_blocks * bytes_per_block > physical_memory_bytes():
+            raise ValueError(f"num_kv_blocks {num_kv_blocks} needs {num_kv_blocks * bytes_per_block} bytes of K/V "
+                             f"pools, more than this machine's memory ({physical_memory_bytes()} bytes)")
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = self._make_runner(num_kv_blocks, num_threads)
@@ -233,6 +252,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams")
+        # the request's own copy, checked again (as vLLM clones them): a SamplingParams changed
+        # after it was made (n = 0 spun forever, a negative logit_bias id biased the vocabulary's
+        # end; QA 25) is refused, and one changed later does not reach a running request
+        params = dataclasses.replace(params)
         params.check_vocab(self.model_config["vocab_size"])
         if params.n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.scheduler_config.max_num_seqs})")
@@ -247,6 +270,8 @@ class LLMEngine:
         if not isinstance(rid, str) or not rid:
             raise ValueError("request_id must be a non-empty string")
         check_unicode(rid, "request_id")
+        if params.stop and self.tokenizer is None:   # (no text to match: QA 25 got an AttributeError)
+            raise ValueError("stop needs a tokenizer; this engine has none (stop_token_ids work without)")
         if params.stop:   # (matched against the text at every new token; one longer than
             self.check_words_length(params.stop, "stop")   # max_seq_len tokens never matches)
         request = Request(rid, prompt if isinstance(prompt, str) else None, ids, params,
