@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import warnings
 
 from .build import BACKENDS, BuildConfig, build_engine
 from .quantize import QUANTIZATIONS
@@ -54,5 +56,11 @@ def run(args: argparse.Namespace) -> int:
                          kv_cache_dtype=args.kv_cache_dtype)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise ValueError(f"--output {args.output!r} exists and is not a directory")
-    build_engine(args.model, args.output, config)
+    with warnings.catch_warnings():   # the loader's warnings (a capped sliding window) as build lines
+        warnings.showwarning = _show_warning
+        build_engine(args.model, args.output, config)
     return 0
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"[build] warning: {message}", file=sys.stderr, flush=True)

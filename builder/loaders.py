@@ -206,11 +206,12 @@ def _positions_within_sliding_window(cfg: dict, arch: str) -> int:
     Mistral with ``sliding_window=8`` was ~1-4 off in log-probability past 8 tokens (QA 25)."""
     positions = cfg.get("max_position_embeddings", 4096)
     window = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        window = None
+    if arch == "Qwen2ForCausalLM" and (not cfg.get("use_sliding_window", False)   # (layers from
+                                       or cfg.get("max_window_layers", 0) >= cfg["num_hidden_layers"]):
+        window = None                                                            # max_window_layers slide)
     if isinstance(window, int) and 0 < window < positions:
-        warnings.warn(f"{arch} attends within a sliding window of {window} tokens, which the engine "
-                      f"does not implement: max_seq_len is capped at {window} (from {positions})",
+        warnings.warn(f"{arch} attends within a sliding window of {window} tokens, which the engine does "
+                      f"not implement: the engine's max_seq_len is capped at the window ({window} tokens)",
                       stacklevel=3)
         return window
     return positions
@@ -240,6 +241,20 @@ def _read_safetensors(directory: str) -> dict[str, np.ndarray]:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key).float().numpy()
     return tensors
+
+
+def _stack(named: dict[str, np.ndarray]) -> np.ndarray:
+    """The checkpoint's tensors stacked along their first dimension (q, k and v; gate and up).
+
+    Raises:
+        UnsupportedModelError: their other dimensions differ (the message names each tensor
+            and its shape; numpy's own error named none, QA 25).
+    """
+    arrays = list(named.values())
+    if any(a.shape[1:] != arrays[0].shape[1:] or a.ndim != arrays[0].ndim for a in arrays):
+        shapes = ", ".join(f"{name} {list(a.shape)}" for name, a in named.items())
+        raise UnsupportedModelError(f"tensors {shapes} differ past their first dimension (they are stacked)")
+    return np.concatenate(arrays)
 
 
 class _Tensors:
@@ -279,17 +294,17 @@ def _llama_weights_hf(config: ModelConfig, t: _Tensors) -> dict[str, np.ndarray]
         w[p + "attn_norm.weight"] = t(p + "input_layernorm.weight")
         w[p + "mlp_norm.weight"] = t(p + "post_attention_layernorm.weight")
         a = p + "self_attn."
-        w[p + "qkv.weight"] = np.concatenate([t(a + f"{x}_proj.weight") for x in "qkv"])
+        w[p + "qkv.weight"] = _stack({a + f"{x}_proj.weight": t(a + f"{x}_proj.weight") for x in "qkv"})
         if config.qkv_bias:
-            w[p + "qkv.bias"] = np.concatenate([t(a + f"{x}_proj.bias") for x in "qkv"])
+            w[p + "qkv.bias"] = _stack({a + f"{x}_proj.bias": t(a + f"{x}_proj.bias") for x in "qkv"})
         w[p + "o.weight"] = t(a + "o_proj.weight")
         if config.o_bias:
             w[p + "o.bias"] = t(a + "o_proj.bias")
         m = p + "mlp."
-        w[p + "gate_up.weight"] = np.concatenate([t(m + "gate_proj.weight"), t(m + "up_proj.weight")])
+        w[p + "gate_up.weight"] = _stack({m + f"{x}_proj.weight": t(m + f"{x}_proj.weight") for x in ("gate", "up")})
         w[p + "down.weight"] = t(m + "down_proj.weight")
         if config.mlp_bias:
-            w[p + "gate_up.bias"] = np.concatenate([t(m + "gate_proj.bias"), t(m + "up_proj.bias")])
+            w[p + "gate_up.bias"] = _stack({m + f"{x}_proj.bias": t(m + f"{x}_proj.bias") for x in ("gate", "up")})
             w[p + "down.bias"] = t(m + "down_proj.bias")
     return w
 
@@ -394,13 +409,14 @@ def load_gguf(path: str) -> LoadedModel:
         q, k = t(b + "attn_q.weight"), t(b + "attn_k.weight")
         if permute:
             q, k = _unpermute_rope(q, config.num_heads), _unpermute_rope(k, config.num_kv_heads)
-        w[p + "qkv.weight"] = np.concatenate([q, k, t(b + "attn_v.weight")])
+        w[p + "qkv.weight"] = _stack({b + "attn_q.weight": q, b + "attn_k.weight": k,
+                                      b + "attn_v.weight": t(b + "attn_v.weight")})
         if config.qkv_bias:
-            w[p + "qkv.bias"] = np.concatenate([t(b + f"attn_{x}.bias") for x in "qkv"])
+            w[p + "qkv.bias"] = _stack({b + f"attn_{x}.bias": t(b + f"attn_{x}.bias") for x in "qkv"})
         w[p + "o.weight"] = t(b + "attn_output.weight")
         w[p + "attn_norm.weight"] = t(b + "attn_norm.weight")
         w[p + "mlp_norm.weight"] = t(b + "ffn_norm.weight")
-        w[p + "gate_up.weight"] = np.concatenate([t(b + "ffn_gate.weight"), t(b + "ffn_up.weight")])
+        w[p + "gate_up.weight"] = _stack({b + f"ffn_{x}.weight": t(b + f"ffn_{x}.weight") for x in ("gate", "up")})
         w[p + "down.weight"] = t(b + "ffn_down.weight")
     return LoadedModel(config, w, path, "gguf", tokenizer_saver=lambda out: _save_gguf_tokenizer(path, out),
                        extra={"gguf_tensor_types": {x.name: x.tensor_type.name for x in reader.tensors},

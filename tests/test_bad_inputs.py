@@ -228,6 +228,11 @@ def test_a_weight_of_the_wrong_shape_is_named(tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"layers\.0\.qkv\.weight has shape \[96, 64\], but the "
                                                     r"config makes it \[128, 64\]"):
         load_model(d)
+    tensors[name] = tensors[name].T[:, :32].contiguous()   # [64, 32]: q's second dimension differs from k's and v's
+    save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"layers\.0\.self_attn\.q_proj\.weight \[64, 32\], "
+                                                    r"layers\.0\.self_attn\.k_proj\.weight \[32, 64\]"):
+        load_model(d)
 
 
 def test_model_settings_the_graphs_lack_are_refused_or_capped():
@@ -258,6 +263,9 @@ def test_model_settings_the_graphs_lack_are_refused_or_capped():
                                    use_sliding_window=False)).max_position_embeddings == 64
         assert config_from_hf(dict(llama, architectures=["MistralForCausalLM"],
                                    sliding_window=None)).max_position_embeddings == 64
+        # Qwen2 slides only in layers from max_window_layers on: none of 2 layers here
+        assert config_from_hf(dict(llama, architectures=["Qwen2ForCausalLM"], sliding_window=8,
+                                   use_sliding_window=True, max_window_layers=2)).max_position_embeddings == 64
 
 
 def test_a_build_stopped_part_way_over_an_engine_leaves_no_manifest(tiny_model, tmp_path, monkeypatch):
@@ -422,7 +430,8 @@ def test_a_request_keeps_the_sampling_params_it_was_given(smollm2_llm):
 
 @pytest.mark.parametrize("messages, error, match", [
     ({"role": "user", "content": "Hi"}, TypeError, "messages must be a list"),
-    ([[]], ValueError, "messages is empty"),
+    ([[]], ValueError, "messages is empty"), ([], ValueError, "messages is empty"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ValueError, "text only"),
     ([{"role": "user", "content": None}], ValueError, r"messages\[0\]\.content must be a string"),
     ([{"role": "user", "content": "Hi"}, {"role": 3, "content": "x"}], ValueError, r"messages\[1\]\.role"),
 ])
@@ -433,6 +442,15 @@ def test_chat_messages_of_the_wrong_form_are_refused(smollm2_llm, messages, erro
         smollm2_llm.chat(messages, SamplingParams(max_tokens=2))
 
 
+def test_chat_takes_openai_text_parts_as_the_http_server_does(smollm2_llm):
+    params = SamplingParams(max_tokens=8, temperature=0)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    plain = [{"role": "user", "content": "What is the capital of France?"}]
+    assert smollm2_llm.chat(parts, params)[0].outputs[0].token_ids == \
+        smollm2_llm.chat(plain, params)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_kv_blocks=10 ** 12), "more than this machine's memory"), (dict(num_kv_blocks=10.5), "num_kv_blocks"),
     (dict(num_kv_blocks=True), "num_kv_blocks"), (dict(kv_cache_memory_bytes="1e6"), "kv_cache_memory_bytes"),
@@ -440,12 +458,26 @@ def test_chat_messages_of_the_wrong_form_are_refused(smollm2_llm, messages, erro
     (dict(speculative_config={"method": "ngram", "prompt_lookup_min": "1"}), "prompt_lookup_min"),
     (dict(speculative_config={"method": "ngram", "backoff_probe_interval": 0}), "backoff_probe_interval"),
     (dict(speculative_config={"method": "ngram", "draft_num_kv_blocks": 0}), "draft_num_kv_blocks"),
+    # a truthy string turned the feature on (QA 25)
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be a bool"),
+    (dict(enable_chunked_prefill="no"), "enable_chunked_prefill must be a bool"),
+    (dict(verify_checksums="no"), "verify_checksums must be a bool"), (dict(offline="yes"), "offline must be a bool"),
 ])
 def test_engine_options_of_the_wrong_type_or_range_are_named(tiny_model, kwargs, match):
     """QA 25: these failed inside numpy or ONNX Runtime naming nothing, or were accepted."""
     _, engine_dir = tiny_model("llama-gqa")
     with pytest.raises(ValueError, match=match):
         LLM(engine_dir, **kwargs)
+
+
+def test_a_speculative_config_changed_after_it_was_made_is_checked_again(tiny_model):
+    from trtllm_lite.spec_decode.config import SpeculativeConfig
+
+    _, engine_dir = tiny_model("llama-gqa")
+    config = SpeculativeConfig(method="ngram")
+    config.num_speculative_tokens = 0
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(engine_dir, speculative_config=config)
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(tiny_model):
@@ -470,7 +502,11 @@ def test_bench_cli_refuses_counts_below_one_before_it_runs(tiny_model, tmp_path,
     for flags, message in ((["--num-requests", "0"], "--num-requests must be at least 1"),
                            (["--concurrency", "4", "0"], "--concurrency must be at least 1"),
                            (["--output-len", "0"], "--output-len must be at least 1"),
-                           (["--json", str(tmp_path / "missing" / "out.json")], "--json")):
+                           (["--json", str(tmp_path / "missing" / "out.json")], "--json"),
+                           (["--json", str(tmp_path)], "--json"),
+                           # the default 512-token TTFT prompt: past the tiny engine's 256 tokens
+                           ([], "--prompt-lens 512 + 1 token (1) exceed the engine's max_model_len"),
+                           (["--prompt-lens", "8", "--input-len", "250"], "--input-len 250 + --output-len")):
         assert main(["bench", "--engine", engine_dir, *flags]) != 0
         assert message in capsys.readouterr().err
     ids = random_prompts(2, 5, 256, seed=0)

@@ -65,19 +65,24 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, *, cache_salt: str | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (list of ``{"role", "content"}``) or a list
-        of them, through the model's chat template (``cache_salt`` as in :meth:`generate`).
+        """Generate replies to one conversation (list of ``{"role", "content"}``; a content may
+        be a string or OpenAI's text parts, which are joined) or a list of them, through the
+        model's chat template (``cache_salt`` as in :meth:`generate`).
 
         Raises:
             TypeError: ``messages`` is not a list.
-            ValueError: a conversation is empty, a message lacks a string ``role`` or
-                ``content``, the engine has no tokenizer or chat template, or as
-                :meth:`generate` raises for the rendered prompts and ``sampling_params``.
+            ValueError: ``messages`` or a conversation is empty, a message lacks a string
+                ``role`` or ``content`` (or text parts), the engine has no tokenizer or chat
+                template, or as :meth:`generate` raises for the rendered prompts and
+                ``sampling_params``.
         """
         if not isinstance(messages, list):   # (one message dict: KeyError 0, QA 25)
             raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts (one conversation) "
                             f"or a list of such lists, got {type(messages).__name__}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("messages is empty")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = [[_text_parts_joined(m) for m in c] if isinstance(c, list) else c for c in conversations]
         prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt)
                    if self.engine.tokenizer else _no_tokenizer() for c in conversations]
         ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
@@ -85,6 +90,21 @@ class LLM:
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt
         return outs
+
+
+def _text_parts_joined(message):
+    """``message`` with OpenAI's content parts (``[{"type": "text", "text": ...}, ...]``)
+    joined into one string, as the HTTP server reads them; other messages as they are.
+
+    Raises:
+        ValueError: a part that is not ``{"type": "text", "text": str}``.
+    """
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        raise ValueError("messages: content parts must be {'type': 'text', 'text': str} (text only)")
+    return dict(message, content="".join(p["text"] for p in content))
 
 
 def _no_tokenizer():

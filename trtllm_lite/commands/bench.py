@@ -173,9 +173,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Refuse counts below 1 and a ``--json`` path that cannot be written, before the engine
-    loads (QA 25: a count of 0 failed with a KeyError after the latency runs, an unwritable
-    path after the whole run).
+    """Refuse counts below 1 and a ``--json`` file that cannot be opened for writing, before
+    the engine loads (QA 25: a count of 0 failed with a KeyError after the latency runs, an
+    unwritable path after the whole run).
 
     Raises:
         ValueError: naming the flag.
@@ -186,10 +186,32 @@ def check_arguments(args: argparse.Namespace) -> None:
     for flag, values in counts.items():
         if any(v < 1 for v in values):
             raise ValueError(f"{flag} must be at least 1, got {' '.join(map(str, values))}")
-    if args.json:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if os.path.isdir(args.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ValueError(f"--json {args.json!r} cannot be written (not a file in a writable folder)")
+    if args.json:   # opened for appending, as the run will write it (os.access says yes to root)
+        existed = os.path.exists(args.json)
+        try:
+            with open(args.json, "a"):
+                pass
+        except OSError as e:
+            raise ValueError(f"--json {args.json!r} cannot be written: {e.strerror}") from None
+        if not existed:
+            os.remove(args.json)
+
+
+def check_lengths(args: argparse.Namespace, max_model_len: int) -> None:
+    """Refuse prompt and output lengths past the engine's ``max_model_len`` before the first
+    run (QA 25: the default 512-token TTFT prompt failed a 256-token engine after the 128-token
+    one had run).
+
+    Raises:
+        ValueError: naming the flags and the limit.
+    """
+    runs = [("--prompt-lens", n, "--decode-tokens" if i == 0 else "1 token", args.decode_tokens if i == 0 else 1)
+            for i, n in enumerate(args.prompt_lens)]
+    runs.append(("--input-len", args.input_len, "--output-len", args.output_len))
+    for flag, n, out_flag, out in runs:
+        if n + out > max_model_len:
+            raise ValueError(f"{flag} {n} + {out_flag} ({out}) exceed the engine's max_model_len "
+                             f"({max_model_len} tokens)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["TRTLLM_LITE_ORT_SPINNING"] = "0"
     engine = LLMEngine(args.engine, num_threads=args.num_threads, verify_checksums=False,
                        enable_prefix_caching=False)  # repeated prompts must not hit the cache
+    check_lengths(args, engine.max_model_len)
     vocab = engine.model_config["vocab_size"]
     results = {"latency": [], "throughput": []}
     for n in args.prompt_lens:

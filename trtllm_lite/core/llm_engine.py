@@ -120,6 +120,11 @@ class LLMEngine:
                  max_waiting: int = 1 << 20, num_threads: int | None = None,
                  seed: int | None = None, verify_checksums: bool = True,
                  speculative_config: "SpeculativeConfig | dict | None" = None, offline: bool = False):
+        for name, value in (("enable_chunked_prefill", enable_chunked_prefill),
+                            ("enable_prefix_caching", enable_prefix_caching),
+                            ("verify_checksums", verify_checksums), ("offline", offline)):
+            if not isinstance(value, (bool, np.bool_)):   # ("no" is truthy: it turned the feature on)
+                raise ValueError(f"{name} must be a bool, got {value!r}")
         self.engine = load_engine_dir(engine_dir, verify_checksums=verify_checksums)
         build, model = self.engine.build, self.engine.model
         self.model_config = model

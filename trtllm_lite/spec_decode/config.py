@@ -1,6 +1,7 @@
 """``speculative_config`` in the vLLM habit."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ class SpeculativeConfig:
     backoff_probe_interval: int = 8
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
+        if not isinstance(self.method, str) or self.method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {self.method!r}")
         if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens!r}")
@@ -64,8 +65,10 @@ class SpeculativeConfig:
     @classmethod
     def from_any(cls, value) -> "SpeculativeConfig | None":
         """Accept None, a SpeculativeConfig, or a dict of its fields."""
-        if value is None or isinstance(value, cls):
-            return value
+        if value is None:
+            return None
+        if isinstance(value, cls):   # checked again: it may have changed since it was made (QA 25)
+            return dataclasses.replace(value)
         if isinstance(value, dict):
             return cls(**value)
         raise TypeError("speculative_config must be a dict or SpeculativeConfig")
