@@ -12,6 +12,11 @@ from .tokenizer import check_unicode
 MAX_LOGPROBS = 20   # top-N log-probabilities per position, at most (vLLM's default cap)
 
 
+def is_integer(value) -> bool:
+    """An integer (Python's or numpy's), not a bool: the options' integer check."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 @dataclass
 class SamplingParams:
     """How to pick each output token and when to stop.
@@ -87,8 +92,6 @@ class SamplingParams:
         def bad(name, why):   # the value abridged: a list of a million ids is not echoed whole
             raise ValueError(f"{name} {why}, got {reprlib.repr(getattr(self, name))}")
 
-        def is_int(v):
-            return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
         def is_num(v):
             return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and v == v
@@ -99,22 +102,22 @@ class SamplingParams:
             setattr(self, name, bool(getattr(self, name)))
         # numpy scalars are accepted and stored as Python numbers
         for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
-            if is_int(getattr(self, name)):
+            if is_integer(getattr(self, name)):
                 setattr(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             if is_num(getattr(self, name)) and not isinstance(getattr(self, name), int):
                 setattr(self, name, float(getattr(self, name)))
 
-        if not is_int(self.n) or self.n < 1:
+        if not is_integer(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_integer(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not is_integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be an integer in [0, max_tokens]")
         if not is_num(self.temperature) or not 0 <= self.temperature < float("inf"):
             bad("temperature", "must be a finite number >= 0")
-        if not is_int(self.top_k) or self.top_k < -1:
+        if not is_integer(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an integer >= -1 (0 or -1: all tokens)")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
@@ -125,7 +128,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 64):
+        if self.seed is not None and (not is_integer(self.seed) or not 0 <= self.seed < 2 ** 64):
             bad("seed", "must be an integer in [0, 2**64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
@@ -149,7 +152,7 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in distinct]
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+            if v is not None and (not is_integer(v) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):

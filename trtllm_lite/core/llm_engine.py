@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 import os
 import time
 
@@ -13,7 +12,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..engine_dir import load_engine_dir
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampler import Sampler, SamplingRow, TokenLogprobs, log_softmax, top_logprobs
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, is_integer
 from ..stop_strings import find_stop, held_back
 from ..tokenizer import Tokenizer, check_unicode
 from .kv_cache_manager import KVCacheManager
@@ -132,8 +131,7 @@ class LLMEngine:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_seq_len", max_seq_len)):
-            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)
-                                      or not 1 <= value <= build[name]):
+            if value is not None and (not is_integer(value) or not 1 <= value <= build[name]):
                 raise ValueError(f"{name} must be an integer in [1, {build[name]}] (the engine's build value), "
                                  f"got {value!r}")
             limits[name] = int(value) if value is not None else build[name]
@@ -146,10 +144,9 @@ class LLMEngine:
         # (QA 25: strings, floats and bools failed inside numpy or ONNX Runtime, naming nothing)
         for name, value in (("kv_cache_memory_bytes", kv_cache_memory_bytes), ("num_kv_blocks", num_kv_blocks),
                             ("num_threads", num_threads), ("max_waiting", max_waiting)):
-            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)
-                                      or value < 1):
+            if value is not None and (not is_integer(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0):
+        if seed is not None and (not is_integer(seed) or seed < 0):
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         self.scheduler_config = SchedulerConfig(enable_chunked_prefill=enable_chunked_prefill,
                                                 max_waiting=max_waiting, **limits)

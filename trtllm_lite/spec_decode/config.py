@@ -5,9 +5,7 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+from ..sampling_params import is_integer
 
 
 @dataclass
@@ -43,14 +41,14 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {self.method!r}")
-        if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 16:
+        if not is_integer(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens!r}")
         # (QA 25: a string failed with a TypeError naming nothing; 0 or less was kept, or
         # silently replaced by the default)
         for name in ("prompt_lookup_min", "prompt_lookup_max", "backoff_probe_interval"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_integer(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.draft_num_kv_blocks is not None and (not _is_int(self.draft_num_kv_blocks)
+        if self.draft_num_kv_blocks is not None and (not is_integer(self.draft_num_kv_blocks)
                                                      or self.draft_num_kv_blocks < 1):
             raise ValueError(f"draft_num_kv_blocks must be an integer >= 1, got {self.draft_num_kv_blocks!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
