@@ -78,6 +78,9 @@ class BuildConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"--max-seq-len must be >= 2 (one prompt token and one output token), "
+                             f"got {self.max_seq_len}")
         if self.max_num_batched_tokens < self.max_num_seqs:   # the runtime's (and vLLM's) check, at build time
             raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
                              f"--max-num-seqs ({self.max_num_seqs}): a decode step holds one token per sequence")
@@ -251,7 +254,13 @@ def _compile_check(output: str) -> None:
     from trtllm_lite import LLM, SamplingParams
 
     llm = LLM(output, num_kv_blocks=16, verify_checksums=False)
-    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    # prompt + output fit an engine of any max_seq_len >= 2 (BuildConfig.validate)
+    max_tokens = min(2, llm.engine.max_model_len - 1)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     vocab = llm.engine.model_config["vocab_size"]    # ids kept inside a tiny test vocabulary
-    llm.generate([[t % vocab for t in (1, 2, 3)]], greedy)
-    llm.generate([[t % vocab for t in ids] for ids in ((1, 2), (3, 4, 5, 6, 7))], greedy)
+
+    def prompts(*ids):
+        return [[t % vocab for t in p[:llm.engine.max_model_len - max_tokens]] for p in ids]
+
+    llm.generate(prompts((1, 2, 3)), greedy)
+    llm.generate(prompts((1, 2), (3, 4, 5, 6, 7)), greedy)

@@ -208,3 +208,19 @@ def test_arena_shrinks_only_after_calls_with_large_attention_scores(tiny_model):
     if library_path() is not None:
         kernels = OnnxRuntimeRunner(engine, 64, options=OrtOptions(arena_shrinkage=True))
         assert kernels._run_options_for(inputs(big_len)) is kernels._run_options
+
+
+def test_engines_as_short_as_two_tokens_build_and_generate(tmp_path):
+    """The build's compile check fits its prompts to any max_seq_len >= 2 (it ran a 3-token
+    prompt and 2 tokens, so engines under 5 tokens failed to build); 1 is refused by name."""
+    from builder.build import BuildConfig, build_engine
+    from tests.conftest import make_tiny_hf
+
+    hf_dir = make_tiny_hf("llama-gqa", str(tmp_path / "hf"))
+    for max_seq_len in (2, 4):
+        engine = build_engine(hf_dir, str(tmp_path / f"engine{max_seq_len}"),
+                              BuildConfig(max_seq_len=max_seq_len, max_num_batched_tokens=16, max_num_seqs=4))
+        out = LLM(engine).generate([[1] * (max_seq_len - 1)], SamplingParams(max_tokens=1, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="max-seq-len must be >= 2"):
+        build_engine(hf_dir, str(tmp_path / "engine1"), BuildConfig(max_seq_len=1))
