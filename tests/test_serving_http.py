@@ -694,6 +694,7 @@ def test_body_over_max_message_bytes_is_413_with_or_without_a_length(server):
     url = f"http://{server.http}/v1/completions"
     r = httpx.post(url, content=big, timeout=60, headers={"content-type": "application/json"})
     assert r.status_code == 413 and "larger than 16777216 bytes" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
     chunked = httpx.post(url, content=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
                          timeout=60, headers={"content-type": "application/json"})
     assert chunked.status_code == 413
@@ -789,6 +790,7 @@ def test_unknown_route_and_wrong_method_use_the_openai_error_shape(server):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
     assert "/v1/embeddings" in missing.json()["error"]["message"]
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+    assert wrong.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_models_health_metrics_tokenizer(server, smollm2_llm):

@@ -220,10 +220,18 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                504: "timeout_error"}
 
 
+def error_type(status: int) -> str:
+    """The OpenAI error type for an HTTP status: :data:`ERROR_TYPES`, else
+    ``invalid_request_error`` for any other 4xx (405, 413, 422, ...) and
+    ``internal_server_error`` for any other 5xx."""
+    if status in ERROR_TYPES:
+        return ERROR_TYPES[status]
+    return "invalid_request_error" if 400 <= status < 500 else "internal_server_error"
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     """OpenAI's error object."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param,
-                      "code": status}}
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
 
 
 FinishReason = Literal["stop", "length", "abort"]
