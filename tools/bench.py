@@ -12,7 +12,10 @@ discarded latency-only warm-up process, each system in its own process (see
 :mod:`bench_workers`): latency (TTFT at 128/512/2048-token prompts,
 batch-1 decode tokens/s), greedy ids on the test prompts, offline throughput (64 requests
 with seeded random lengths, and 64 x 128 in / 128 out), a concurrency sweep, peak RSS.
-Bounds measured in the same run (:mod:`bench_bounds`) are printed beside the speeds.
+Bounds measured in the same run (:mod:`bench_bounds`) are printed beside the speeds. Last, a
+paired batch-1 run: our fp32 and int4 engines and genai int4 in one process, in alternating
+rounds, each with its own bandwidth probe (``bench_workers.run_paired``), for ratios that the
+machine's drift between workers does not move.
 
 llama.cpp joins when ``llama-cpp-python`` is installed; it builds from source (~12 minutes on
 2 cores; the local package index has the sdist)::
@@ -166,7 +169,9 @@ def exit_reason(returncode: int) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="latency and greedy checks only")
-    p.add_argument("--skip", nargs="*", default=[], choices=["hf", "genai", "llamacpp", "int4-acc4", "kv16"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["hf", "genai", "llamacpp", "int4-acc4", "kv16", "paired"])
+    p.add_argument("--paired-rounds", type=int, default=7,
+                   help="rounds of the paired batch-1 run (our fp32 and int4 engines, genai int4, one process)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--genai-requests", type=int, default=16,
@@ -212,6 +217,10 @@ def main(argv=None) -> int:
     log("measuring bounds")
     bounds = measure_bounds(args.threads)
     results, manifests = {}, {}
+    genai_dirs = {} if "genai" in skip else {
+        p: ensure_genai(spec["hf_model"], os.path.join(e, f"genai-{p}"), p) for p in ("fp32", "int4")}
+    spec["paired"] = {"engines": {"ours-fp32": fp32, "ours-int4": int4}, "genai-int4": genai_dirs.get("int4"),
+                      "rounds": args.paired_rounds}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
@@ -226,8 +235,7 @@ def main(argv=None) -> int:
         if "hf" not in skip:
             plan.append(("hf", "hf", None, {}))
         if "genai" not in skip:
-            plan += [("genai-fp32", "genai", ensure_genai(spec["hf_model"], os.path.join(e, "genai-fp32"), "fp32"), {}),
-                     ("genai-int4", "genai", ensure_genai(spec["hf_model"], os.path.join(e, "genai-int4"), "int4"), {})]
+            plan += [("genai-fp32", "genai", genai_dirs["fp32"], {}), ("genai-int4", "genai", genai_dirs["int4"], {})]
         if "llamacpp" not in skip:
             plan.append(("llamacpp", "llamacpp", None, {}))
         # In four runs the first worker after the bounds (which allocate and free ~1.5 GB) ran
@@ -243,6 +251,10 @@ def main(argv=None) -> int:
                                 full and name != "ours-int4-acc4", env, failures=notes)
             if result is not None:
                 results[name] = result
+        if "paired" not in skip and args.paired_rounds > 0:
+            result = run_worker("paired", "paired", spec_path, None, full, failures=notes)
+            if result is not None:
+                results["paired"] = result
     for name, path in (("ours-fp32", fp32), ("ours-fp32-kv16", kv16), ("ours-int4", int4)):
         with open(os.path.join(path, "engine.json")) as f:
             manifests[name] = json.load(f)

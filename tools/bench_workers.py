@@ -3,13 +3,15 @@
 ``python tools/bench.py --worker SYSTEM --spec spec.json --out result.json``; the spec
 (written by :mod:`bench`) holds paths, threads and the workloads as token ids, so every
 system gets the very same prompts. Systems: ``ours`` (an engine directory, accuracy level
-from ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``), ``hf``, ``genai`` (a model directory), ``llamacpp``.
+from ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``), ``hf``, ``genai`` (a model directory), ``llamacpp``, and ``paired`` (batch-1 decode of
+our engines and genai int4 in alternating rounds in one process: :func:`run_paired`).
 """
 from __future__ import annotations
 
 import json
 import os
 import resource
+import time
 
 from bench_peers import GenAIPeer, HFPeer, LlamaCppPeer
 
@@ -62,6 +64,43 @@ def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
     return out
 
 
+def run_paired(spec: dict) -> dict:
+    """Batch-1 decode of our fp32 and int4 engines and onnxruntime-genai int4, all loaded in
+    this one process, in ``spec["paired"]["rounds"]`` rounds; each round first probes the read
+    bandwidth, then runs every system once (128-token prompt, ``decode_tokens`` tokens; the
+    order rotates by a place each round). On a VM whose speed moves between minutes, ratios
+    within a round compare like with like, where the sequential workers' ratios take figures
+    minutes apart. Every rate is 1 / the median time of a token after the first.
+
+    Returns ``{"rounds": [{"read_bandwidth": bytes/s, system: tokens/s, ...}, ...]}``.
+    """
+    import bench_bounds
+    from trtllm_lite.commands.bench import measure_latency
+    from trtllm_lite.core.llm_engine import LLMEngine
+
+    paired, threads = spec["paired"], spec["threads"]
+    prompt_len, n = spec["ttft_lens"][0], spec["decode_tokens"]
+    prompt = spec["latency_prompts"][str(prompt_len)]
+    rates = {name: (lambda e: lambda: measure_latency(e, prompt_len, n, repeats=1)["decode_tokens_per_s"])(
+                 LLMEngine(path, num_threads=threads, verify_checksums=False, enable_prefix_caching=False,
+                           kv_cache_memory_bytes=256 << 20))
+             for name, path in paired["engines"].items()}
+    if paired.get("genai-int4"):
+        genai = GenAIPeer(paired["genai-int4"], threads)
+        genai.tpot_rate(prompt, 4)      # warm-up
+        rates["genai-int4"] = lambda: genai.tpot_rate(prompt, n)
+    systems, rounds = list(rates), []
+    for r in range(paired["rounds"]):
+        # BLAS's GEMV first, and a pause after the probe: OpenBLAS's threads spin a while after
+        # a call (bench.measure_bounds)
+        row = {"read_bandwidth": max(bench_bounds.gemv_bandwidth(), bench_bounds.read_bandwidth(threads))}
+        time.sleep(0.5)
+        for name in systems[r % len(systems):] + systems[:r % len(systems)]:
+            row[name] = rates[name]()
+        rounds.append(row)
+    return {"rounds": rounds}
+
+
 def run_peer(spec: dict, peer, full: bool) -> dict:
     out = {"latency": {}, "greedy": [peer.generate_ids(p, spec["greedy_tokens"]) for p in spec["test_prompts"]]}
     prompt = spec["latency_prompts"][str(spec["ttft_lens"][0])]
@@ -93,6 +132,8 @@ def main(system: str, spec_path: str, out_path: str, target: str | None, full: b
         result = run_peer(spec, HFPeer(spec["hf_model"], spec["threads"]), full)
     elif system == "genai":
         result = run_peer(spec, GenAIPeer(target, spec["threads"]), full)
+    elif system == "paired":
+        result = run_paired(spec)
     elif system == "llamacpp":
         result = run_peer(spec, LlamaCppPeer(spec["gguf"], spec["threads"]), full)
     else:
