@@ -3,11 +3,13 @@
 ``python tools/bench.py --worker SYSTEM --spec spec.json --out result.json``; the spec
 (written by :mod:`bench`) holds paths, threads and the workloads as token ids, so every
 system gets the very same prompts. Systems: ``ours`` (an engine directory, accuracy level
-from ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``), ``hf``, ``genai`` (a model directory), ``llamacpp``, and ``paired`` (batch-1 decode of
-our engines and genai int4 in alternating rounds in one process: :func:`run_paired`).
+from ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``), ``hf``, ``genai`` (a model directory), ``llamacpp``,
+and ``paired`` (batch-1 decode of our engines and genai int4 in alternating rounds in one
+process: :func:`run_paired`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -81,9 +83,12 @@ def run_paired(spec: dict) -> dict:
     paired, threads = spec["paired"], spec["threads"]
     prompt_len, n = spec["ttft_lens"][0], spec["decode_tokens"]
     prompt = spec["latency_prompts"][str(prompt_len)]
-    rates = {name: (lambda e: lambda: measure_latency(e, prompt_len, n, repeats=1)["decode_tokens_per_s"])(
-                 LLMEngine(path, num_threads=threads, verify_checksums=False, enable_prefix_caching=False,
-                           kv_cache_memory_bytes=256 << 20))
+    def ours_rate(engine) -> float:
+        return measure_latency(engine, prompt_len, n, repeats=1)["decode_tokens_per_s"]
+
+    rates = {name: functools.partial(ours_rate, LLMEngine(
+                 path, num_threads=threads, verify_checksums=False, enable_prefix_caching=False,
+                 kv_cache_memory_bytes=256 << 20))
              for name, path in paired["engines"].items()}
     if paired.get("genai-int4"):
         genai = GenAIPeer(paired["genai-int4"], threads)
