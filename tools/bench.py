@@ -13,7 +13,7 @@ discarded latency-only warm-up process, each system in its own process (see
 batch-1 decode tokens/s), greedy ids on the test prompts, offline throughput (64 requests
 with seeded random lengths, and 64 x 128 in / 128 out), a concurrency sweep, peak RSS.
 Bounds measured in the same run (:mod:`bench_bounds`) are printed beside the speeds. Last, a
-paired batch-1 run: our fp32 and int4 engines and genai int4 in one process, in alternating
+paired batch-1 run: our fp32 and int4 engines and genai's in one process, in alternating
 rounds, each with its own bandwidth probe (``bench_workers.run_paired``), for ratios that the
 machine's drift between workers does not move.
 
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="latency and greedy checks only")
     p.add_argument("--skip", nargs="*", default=[], choices=["hf", "genai", "llamacpp", "int4-acc4", "kv16", "paired"])
     p.add_argument("--paired-rounds", type=int, default=7,
-                   help="rounds of the paired batch-1 run (our fp32 and int4 engines, genai int4, one process)")
+                   help="rounds of the paired batch-1 run (our fp32 and int4 engines, genai fp32 and int4, one process)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--genai-requests", type=int, default=16,
@@ -219,8 +219,8 @@ def main(argv=None) -> int:
     results, manifests = {}, {}
     genai_dirs = {} if "genai" in skip else {
         p: ensure_genai(spec["hf_model"], os.path.join(e, f"genai-{p}"), p) for p in ("fp32", "int4")}
-    spec["paired"] = {"engines": {"ours-fp32": fp32, "ours-int4": int4}, "genai-int4": genai_dirs.get("int4"),
-                      "rounds": args.paired_rounds}
+    spec["paired"] = {"engines": {"ours-fp32": fp32, "ours-int4": int4},
+                      "genai": {f"genai-{p}": d for p, d in genai_dirs.items()}, "rounds": args.paired_rounds}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:

@@ -137,15 +137,16 @@ class Report:
     def paired_rounds(self) -> list[dict]:
         """Each paired round (bench_workers.run_paired) with its ratios: ``{system: tokens/s,
         "<system> % of bound": rate x bytes per step / the round's read bandwidth,
-        "ours-int4/genai-int4": ratio}``."""
+        "ours-int4/genai-int4" and "ours-fp32/genai-fp32": ratios}``."""
         out = []
         for row in self.get("paired", "rounds") or []:
             row = dict(row)
             for k in ("ours-fp32", "ours-int4"):
                 if row.get(k) and self.bytes.get(k):
                     row[f"{k} % of bound"] = row[k] * self.bytes[k] / row["read_bandwidth"]
-            if row.get("ours-int4") and row.get("genai-int4"):
-                row["ours-int4/genai-int4"] = row["ours-int4"] / row["genai-int4"]
+            for p in ("fp32", "int4"):
+                if row.get(f"ours-{p}") and row.get(f"genai-{p}"):
+                    row[f"ours-{p}/genai-{p}"] = row[f"ours-{p}"] / row[f"genai-{p}"]
             out.append(row)
         return out
 
@@ -197,15 +198,17 @@ class Report:
             L += ["", "### Batch 1, paired rounds (one process; each round probes the read bandwidth, then runs "
                   "each system once, the order rotating)", "",
                   "| round | read bandwidth (GB/s) | trtllm-lite fp32 tokens/s (% of the round's bound) | "
-                  "trtllm-lite int4 tokens/s (% of bound) | onnxruntime-genai int4 tokens/s | int4 / genai int4 |",
-                  "|---:|---:|---:|---:|---:|---:|"]
+                  "onnxruntime-genai fp32 | fp32 / genai fp32 | trtllm-lite int4 (% of bound) | "
+                  "onnxruntime-genai int4 | int4 / genai int4 |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
             def cells(row):
-                return (f"{row['read_bandwidth'] / 1e9:.1f} | "
-                        + " | ".join(f"{_fmt(row.get(k))} ({row[k + ' % of bound']:.0%})" if k + " % of bound" in row
-                                     else _fmt(row.get(k)) for k in ("ours-fp32", "ours-int4"))
-                        + f" | {_fmt(row.get('genai-int4'))} | "
-                        + (f"{row['ours-int4/genai-int4']:.2f}x" if "ours-int4/genai-int4" in row else "-"))
+                out = [f"{row['read_bandwidth'] / 1e9:.1f}"]
+                for p in ("fp32", "int4"):
+                    ours, share, ratio = row.get(f"ours-{p}"), row.get(f"ours-{p} % of bound"), row.get(f"ours-{p}/genai-{p}")
+                    out += [_fmt(ours) + ("" if share is None else f" ({share:.0%})"), _fmt(row.get(f"genai-{p}")),
+                            "-" if ratio is None else f"{ratio:.2f}x"]
+                return " | ".join(out)
             L += [f"| {i + 1} | {cells(row)} |" for i, row in enumerate(rounds)]
             L.append(f"| median | {cells(self.paired_medians())} |")
         L += ["", "### Offline throughput (64 requests, greedy, every request runs to its max_tokens)", "",

@@ -4,7 +4,7 @@
 (written by :mod:`bench`) holds paths, threads and the workloads as token ids, so every
 system gets the very same prompts. Systems: ``ours`` (an engine directory, accuracy level
 from ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``), ``hf``, ``genai`` (a model directory), ``llamacpp``,
-and ``paired`` (batch-1 decode of our engines and genai int4 in alternating rounds in one
+and ``paired`` (batch-1 decode of our engines and genai's in alternating rounds in one
 process: :func:`run_paired`).
 """
 from __future__ import annotations
@@ -67,8 +67,8 @@ def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
 
 
 def run_paired(spec: dict) -> dict:
-    """Batch-1 decode of our fp32 and int4 engines and onnxruntime-genai int4, all loaded in
-    this one process, in ``spec["paired"]["rounds"]`` rounds; each round first probes the read
+    """Batch-1 decode of our fp32 and int4 engines and onnxruntime-genai fp32 and int4, all
+    loaded in this one process, in ``spec["paired"]["rounds"]`` rounds; each round first probes the read
     bandwidth, then runs every system once (128-token prompt, ``decode_tokens`` tokens; the
     order rotates by a place each round). On a VM whose speed moves between minutes, ratios
     within a round compare like with like, where the sequential workers' ratios take figures
@@ -90,10 +90,10 @@ def run_paired(spec: dict) -> dict:
                  path, num_threads=threads, verify_checksums=False, enable_prefix_caching=False,
                  kv_cache_memory_bytes=256 << 20))
              for name, path in paired["engines"].items()}
-    if paired.get("genai-int4"):
-        genai = GenAIPeer(paired["genai-int4"], threads)
+    for name, model_dir in (paired.get("genai") or {}).items():
+        genai = GenAIPeer(model_dir, threads)
         genai.tpot_rate(prompt, 4)      # warm-up
-        rates["genai-int4"] = lambda: genai.tpot_rate(prompt, n)
+        rates[name] = functools.partial(genai.tpot_rate, prompt, n)
     systems, rounds = list(rates), []
     for r in range(paired["rounds"]):
         # BLAS's GEMV first, and a pause after the probe: OpenBLAS's threads spin a while after
