@@ -75,7 +75,7 @@ class BuildConfig:
                              "builds unquantized weights (MatMulNBits is ONNX Runtime's op)")
         if self.backend in KV_WRITE:
             import_tensorrt(self.backend)  # fail before exporting when the package is missing
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_seq_len < 2:

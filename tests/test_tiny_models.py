@@ -222,5 +222,9 @@ def test_engines_as_short_as_two_tokens_build_and_generate(tmp_path):
                               BuildConfig(max_seq_len=max_seq_len, max_num_batched_tokens=16, max_num_seqs=4))
         out = LLM(engine).generate([[1] * (max_seq_len - 1)], SamplingParams(max_tokens=1, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 1
-    with pytest.raises(ValueError, match="max-seq-len must be >= 2"):
-        build_engine(hf_dir, str(tmp_path / "engine1"), BuildConfig(max_seq_len=1))
+    for bad in (1, 0, -3):   # one message for every value below the minimum
+        with pytest.raises(ValueError, match="max-seq-len must be >= 2"):
+            build_engine(hf_dir, str(tmp_path / "engine1"), BuildConfig(max_seq_len=bad))
+    # the runtime's max_seq_len has the same floor: no request fits in 1 token
+    with pytest.raises(ValueError, match=r"max_seq_len must be an integer in \[2, 4\]"):
+        LLM(engine, max_seq_len=1)

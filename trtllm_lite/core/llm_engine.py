@@ -131,9 +131,10 @@ class LLMEngine:
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_seq_len", max_seq_len)):
-            if value is not None and (not is_integer(value) or not 1 <= value <= build[name]):
-                raise ValueError(f"{name} must be an integer in [1, {build[name]}] (the engine's build value), "
-                                 f"got {value!r}")
+            low = 2 if name == "max_seq_len" else 1     # one prompt token and one output token
+            if value is not None and (not is_integer(value) or not low <= value <= build[name]):
+                raise ValueError(f"{name} must be an integer in [{low}, {build[name]}] (the engine's build "
+                                 f"value), got {value!r}")
             limits[name] = int(value) if value is not None else build[name]
         if max_num_batched_tokens is None and enable_chunked_prefill:
             limits["max_num_batched_tokens"] = default_max_num_batched_tokens(build, limits["max_num_seqs"], offline)
