@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -200,10 +201,11 @@ def main(argv=None) -> int:
     e = args.engines
     fp32 = ensure_engine(os.path.join(e, "bench-smollm2-fp32"))
     int4 = ensure_engine(os.path.join(e, "bench-smollm2-int4"), quantization="int4")
-    kv16 = ensure_engine(os.path.join(e, "bench-smollm2-fp32-kv16"), kv_cache_dtype="float16")
-    spec = make_spec(args, fp32)
     skip = set(args.skip)
-    notes = []
+    kv16 = None if "kv16" in skip else ensure_engine(os.path.join(e, "bench-smollm2-fp32-kv16"),
+                                                      kv_cache_dtype="float16")
+    spec = make_spec(args, fp32)
+    notes = [f"{name} skipped (--skip)" for name in args.skip]
     if "genai" not in skip and not GenAIPeer.available():
         skip.add("genai")
         notes.append("onnxruntime-genai not installed (pip install onnxruntime-genai): skipped")
@@ -256,13 +258,16 @@ def main(argv=None) -> int:
             if result is not None:
                 results["paired"] = result
     for name, path in (("ours-fp32", fp32), ("ours-fp32-kv16", kv16), ("ours-int4", int4)):
+        if path is None:
+            continue
         with open(os.path.join(path, "engine.json")) as f:
             manifests[name] = json.load(f)
     log("measuring bounds again")
     bounds = {k: max(v, bounds[k]) for k, v in measure_bounds(args.threads).items()}
     load1 = os.getloadavg()
     log(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
-    report = bench_report.Report(results, bounds, manifests, spec, notes, load0, load1, machine())
+    command = " ".join(["python tools/bench.py"] + [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
+    report = bench_report.Report(results, bounds, manifests, spec, notes, load0, load1, machine(), command)
     report.write(args.docs)
     print(report.markdown())
     return 0

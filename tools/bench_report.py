@@ -25,8 +25,9 @@ class Report:
     """Results of one run: ``results[system]`` from :mod:`bench_workers`, bounds in bytes/s and
     FLOP/s, the engines' manifests, the workload spec, notes, load averages, machine."""
 
-    def __init__(self, results, bounds, manifests, spec, notes, load0, load1, machine):
-        self.r, self.bounds, self.spec, self.notes = results, bounds, spec, notes
+    def __init__(self, results, bounds, manifests, spec, notes, load0, load1, machine,
+                 command: str = "python tools/bench.py"):
+        self.r, self.bounds, self.spec, self.notes, self.command = results, bounds, spec, notes, command
         self.load0, self.load1, self.machine = load0, load1, machine
         self.bytes = {k: bench_bounds.decode_bytes_per_step(m) for k, m in manifests.items()}
         if "ours-int4" in manifests:   # MatMulNBits (prepacked) reads the engine's own tensors
@@ -129,7 +130,7 @@ class Report:
                     out.append((f"per-step host work (Python, numpy) < 10% of wall time, {system} {label}",
                                 f"{value:.1%}", value < 0.1))
         mem = g("ours-fp32", "memory")
-        if mem and g("ours-fp32", "peak_rss_bytes"):
+        if mem and g("ours-fp32", "peak_rss_bytes") and g("ours-fp32", "random"):   # (not with --quick)
             peak = g("ours-fp32", "peak_rss_bytes") / (mem["weights_bytes"] + mem["kv_pool_bytes"])
             out.append(("fp32 serving peak RSS < 1.3x (weights + KV pool)", f"{peak:.2f}x", peak < 1.3))
         return out
@@ -159,7 +160,8 @@ class Report:
     # -- output -----------------------------------------------------------------------------
     def markdown(self) -> str:
         b, m, L = self.bounds, self.machine, []
-        L += [BEGIN, "", "## CPU: the full suite (`tools/bench.py`)", "",
+        quick = "--quick" in self.command.split()
+        L += [BEGIN, "", f"## CPU: the {'quick' if quick else 'full'} suite (`tools/bench.py`)", "",
               f"Run {time.strftime('%Y-%m-%d %H:%M')} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB); "
               + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + f"; {self.spec['threads']} threads for every system.",
               f"Load average {self.load0[0]:.2f} before, {self.load1[0]:.2f} after (the suite's own "
@@ -167,7 +169,7 @@ class Report:
               + ("; the machine had other work shortly before: figures may be taken under load"
                  if self.load0[0] > 0.5 else "")
               + ".", "", "```bash",
-              (f"GLIBC_TUNABLES={m['glibc_tunables']} " if m.get("glibc_tunables") else "") + "python tools/bench.py",
+              (f"GLIBC_TUNABLES={m['glibc_tunables']} " if m.get("glibc_tunables") else "") + self.command,
               "```", ""]
         L += ["### Bounds (measured in this run, before and after the systems; the higher of the two)", "",
               "| quantity | value |", "|---|---:|",
@@ -177,7 +179,7 @@ class Report:
               f"| FLOPs per token (2 x parameters) | {self.flops / 1e9:.3f} GFLOP |",
               f"| compute bound, batched decode | {self.bound_compute:,.0f} tokens/s |"]
         for k in ("ours-fp32", "ours-int4", "ours-int4-acc4"):
-            if self.bytes.get(k):
+            if self.bytes.get(k) and k in self.r:
                 what = {"ours-int4": " (as the QuantizedLinear kernel streams them)",
                         "ours-int4-acc4": " (the engine's MatMulNBits tensors)"}.get(k, "")
                 L.append(f"| {NAMES[k]}: weight bytes per decode step{what} / bandwidth bound | "
@@ -211,8 +213,8 @@ class Report:
                 return " | ".join(out)
             L += [f"| {i + 1} | {cells(row)} |" for i, row in enumerate(rounds)]
             L.append(f"| median | {cells(self.paired_medians())} |")
-        L += ["", "### Offline throughput (64 requests, greedy, every request runs to its max_tokens)", "",
-              "| system | workload | output tokens/s | total tokens/s | wall (s) |", "|---|---|---:|---:|---:|"]
+        offline = ["", "### Offline throughput (64 requests, greedy, every request runs to its max_tokens)", "",
+                   "| system | workload | output tokens/s | total tokens/s | wall (s) |", "|---|---|---:|---:|---:|"]
         rows = [("ours-fp32", "random"), ("ours-fp32-kv16", "random"), ("ours-int4", "random"), ("hf", "random"), ("genai-fp32", "random_sequential"),
                 ("genai-int4", "random_sequential"), ("llamacpp", "random_sequential"),
                 ("ours-fp32", "equal"), ("ours-fp32-kv16", "equal"), ("ours-int4", "equal"), ("hf", "equal")]
@@ -224,20 +226,23 @@ class Report:
                 budget = self.get(k, "offline_max_num_batched_tokens")
                 ours = f" (inflight batching, offline budget {budget} tokens)" if budget else " (inflight batching)"
                 how = " (static batches of 64, padded)" if k == "hf" else (ours if k.startswith("ours") else "")
-                L.append(f"| {NAMES[k]}{how} | {labels[w]} | {_fmt(x['output_tokens_per_s'])} | "
-                         f"{_fmt(x['total_tokens_per_s'])} | {_fmt(x['wall_s'])} |")
-        L += ["", "### Concurrency sweep (128 in / 64 out; 2 x concurrency requests, at least 4)", "",
-              "| system | concurrency | output tokens/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |",
-              "|---|---:|---:|---:|---:|"]
+                offline.append(f"| {NAMES[k]}{how} | {labels[w]} | {_fmt(x['output_tokens_per_s'])} | "
+                               f"{_fmt(x['total_tokens_per_s'])} | {_fmt(x['wall_s'])} |")
+        sweep = ["", "### Concurrency sweep (128 in / 64 out; 2 x concurrency requests, at least 4)", "",
+                 "| system | concurrency | output tokens/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |",
+                 "|---|---:|---:|---:|---:|"]
         for k in ("ours-fp32", "ours-fp32-kv16", "ours-int4"):
             for s in self.get(k, "sweep") or []:
                 t, p = s["ttft_ms"], s["tpot_ms"]
-                L.append(f"| {NAMES[k]} | {s['concurrency']} | {_fmt(s['output_tokens_per_s'])} | "
-                         + " / ".join(_fmt(t.get(q), 0) for q in ("p50", "p90", "p99")) + " | "
-                         + " / ".join(_fmt(p.get(q)) for q in ("p50", "p90", "p99")) + " |")
+                sweep.append(f"| {NAMES[k]} | {s['concurrency']} | {_fmt(s['output_tokens_per_s'])} | "
+                             + " / ".join(_fmt(t.get(q), 0) for q in ("p50", "p90", "p99")) + " | "
+                             + " / ".join(_fmt(p.get(q)) for q in ("p50", "p90", "p99")) + " |")
+        for table in (offline, sweep):   # (--quick runs neither workload)
+            if len(table) > 5:
+                L += table
         for k in ("ours-fp32", "ours-fp32-kv16"):
             mem = self.get(k, "memory")
-            if mem:
+            if mem and self.get(k, "random"):
                 L += ["", f"Memory, {NAMES[k]} serving the random workload: peak RSS "
                           f"{self.get(k, 'peak_rss_bytes') / 1e6:.0f} MB; weights {mem['weights_bytes'] / 1e6:.0f} MB; "
                           f"KV pool {mem['kv_pool_bytes'] / 1e6:.0f} MB allocated (pages are committed as blocks are first "
@@ -248,7 +253,9 @@ class Report:
             L.append(f"| {name} | {value} | {'-' if ok is None else ('yes' if ok else '**no**')} |")
         if self.notes:
             L += [""] + [f"- {n}" for n in self.notes]
-        L += ["", "![throughput and latency vs concurrency](benchmarks_cpu.png)", "", END]
+        if self.has_sweep():
+            L += ["", "![throughput and latency vs concurrency](benchmarks_cpu.png)"]
+        L += ["", END]
         return "\n".join(L)
 
     def write(self, docs: str) -> None:
@@ -257,7 +264,8 @@ class Report:
             json.dump({"results": self.r, "bounds": self.bounds, "bytes_per_step": self.bytes,
                        "flops_per_token": self.flops, "machine": self.machine,
                        "load": [self.load0, self.load1], "targets": self.targets()}, f, indent=1)
-        self.plot(os.path.join(docs, "benchmarks_cpu.png"))
+        if self.has_sweep():
+            self.plot(os.path.join(docs, "benchmarks_cpu.png"))
         path = os.path.join(docs, "benchmarks.md")
         text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
         section = self.markdown()
@@ -267,6 +275,10 @@ class Report:
             text = text.rstrip("\n") + "\n\n" + section + "\n"
         with open(path, "w") as f:
             f.write(text)
+
+    def has_sweep(self) -> bool:
+        """Whether any engine ran the concurrency sweep (the plot's data; not with --quick)."""
+        return any(self.get(k, "sweep") for k in ("ours-fp32", "ours-fp32-kv16", "ours-int4"))
 
     def plot(self, path: str) -> None:
         import matplotlib
