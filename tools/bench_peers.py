@@ -144,17 +144,18 @@ class GenAIPeer(Peer):
         return importlib.util.find_spec("onnxruntime_genai") is not None
 
     def tpot_rate(self, prompt: list[int], max_tokens: int) -> float:
-        """Batch-1 decode tokens/s as our engine's figure is taken: 1 / the median time of a
-        token after the first (``max_tokens`` tokens from ``prompt``)."""
+        """Batch-1 decode tokens/s as our engine's figure is taken (``run_requests``): 1 / TPOT,
+        the mean time of a token after the first, as vLLM defines it ((end - first token) /
+        (tokens - 1); ``max_tokens`` tokens from ``prompt``, one run)."""
         gen = self._generator(prompt, max_tokens)
         gen.generate_next_token()       # the prompt and the first token: TTFT, not decode
-        times = []
-        while not gen.is_done() and len(times) < max_tokens - 1:
-            t = time.perf_counter()
+        gen.get_next_tokens()
+        t, count = time.perf_counter(), 0
+        while not gen.is_done() and count < max_tokens - 1:
             gen.generate_next_token()
             gen.get_next_tokens()
-            times.append(time.perf_counter() - t)
-        return 1.0 / sorted(times)[len(times) // 2]
+            count += 1
+        return count / (time.perf_counter() - t)
 
     def _generator(self, prompt: list[int], max_tokens: int):
         og = self.og

@@ -72,7 +72,8 @@ def run_paired(spec: dict) -> dict:
     bandwidth, then runs every system once (128-token prompt, ``decode_tokens`` tokens; the
     order rotates by a place each round). On a VM whose speed moves between minutes, ratios
     within a round compare like with like, where the sequential workers' ratios take figures
-    minutes apart. Every rate is 1 / the median time of a token after the first.
+    minutes apart. Every rate is 1 / TPOT of one request: the mean time of a token after the
+    first.
 
     Returns ``{"rounds": [{"read_bandwidth": bytes/s, system: tokens/s, ...}, ...]}``.
     """
