@@ -92,7 +92,6 @@ class SamplingParams:
         def bad(name, why):   # the value abridged: a list of a million ids is not echoed whole
             raise ValueError(f"{name} {why}, got {reprlib.repr(getattr(self, name))}")
 
-
         def is_num(v):
             return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and v == v
 
