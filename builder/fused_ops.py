@@ -17,6 +17,15 @@ graphs used before). Only the ONNX Runtime graphs use them (``export_onnx``'s ``
     gate_up [T, 2 I] float32 (gate columns first) -> silu(gate) * up  [T, I]
     (SwiGLU, Shazeer 2020; vLLM's ``silu_and_mul``)
 
+``trtllm_lite::QuantizeRows``, a W8A8 linear's input quantized per token (row)::
+
+    x [T, K] float32 -> q [T, K] uint8, scale [T, 1] float32
+    scale = max(max |x[t]| * (1 / 127), 1e-30 / 127), q = rint(x * (1 / scale)) + 128
+    (SmoothQuant's per-token dynamic quantization, Xiao et al. 2023; vLLM's scaled_int8_quant)
+
+  Body: ``ReduceMax(Abs(x))``, ``Max(top * (1 / 127), tiny)``,
+  ``QuantizeLinear(x * Reciprocal(scale), 1, 128)``.
+
 ``trtllm_lite::AddBlockOffsets`` (attribute ``block_size``), a block-quantized weight's float
 offsets (GGUF Q4_1's block mins, :mod:`builder.quantize`) added to MatMulNBits' output::
 
@@ -50,6 +59,8 @@ from .paged_attention import DOMAIN
 
 ROTARY_OP_TYPE = "RotarySplitQKV"
 SILU_OP_TYPE = "SiluAndMul"
+QUANTIZE_ROWS_OP_TYPE = "QuantizeRows"
+DEQUANTIZE_ROWS_OP_TYPE = "DequantizeRows"
 OFFSETS_OP_TYPE = "AddBlockOffsets"
 QUANTIZED_LINEAR_OP_TYPE = "QuantizedLinear"
 QUANTIZED_LINEAR_OFFSETS_OP_TYPE = "QuantizedLinearWithOffsets"
@@ -92,6 +103,57 @@ def make_silu_function(opset: int | None = None):
     w.op("Mul", w.op("Mul", gate, w.op("Sigmoid", gate)), up, outputs=["output"])
     return helper.make_function(DOMAIN, SILU_OP_TYPE, ["gate_up"], ["output"], w.nodes,
                                 [helper.make_opsetid("", opset or OPSET)])
+
+
+def _planes(w) -> str:
+    """``[planes]`` int64: the function's ``planes`` attribute as a tensor."""
+    from onnx import AttributeProto, helper
+
+    planes = w.fresh("planes")
+    node = helper.make_node("Constant", [], [planes], name=w.fresh("Constant"))
+    node.attribute.append(AttributeProto(name="value_int", ref_attr_name="planes", type=AttributeProto.INT))
+    w.nodes.append(node)
+    return w.op("Reshape", planes, w.const([1]))
+
+
+def make_quantize_rows_function(opset: int | None = None):
+    """``QuantizeRows``' body in standard ops (module docstring): both planes, then the first
+    ``planes`` of them (the ``planes`` attribute, read by the body's Constant)."""
+    import numpy as np
+    from onnx import helper
+
+    from .onnx_graph import OPSET, NodeWriter
+
+    w = NodeWriter("qr_")
+    top = w.op("ReduceMax", w.op("Abs", "x"), w.const([-1]), keepdims=1)                 # [T, 1]
+    s = w.op("Max", w.op("Mul", top, w.const(1 / 127, np.float32)), w.const(1e-30 / 127, np.float32))
+    v = w.op("Mul", "x", w.op("Reciprocal", s))
+    one, zero_point = w.const(1.0, np.float32), w.const(128, np.uint8)
+    q1 = w.op("QuantizeLinear", v, one, zero_point)
+    q2 = w.op("QuantizeLinear", w.op("Mul", w.op("Sub", v, w.op("Round", v)), w.const(254.0, np.float32)),
+              one, zero_point)
+    rows = w.op("Mul", _planes(w), w.op("Shape", "x", start=0, end=1))
+    start, axis = w.const([0]), w.const([0])
+    w.op("Slice", w.op("Concat", q1, q2, axis=0), start, rows, axis, outputs=["q"])
+    w.op("Slice", w.op("Concat", s, w.op("Div", s, w.const(254.0, np.float32)), axis=0), start, rows, axis,
+         outputs=["scale"])
+    return helper.make_function(DOMAIN, QUANTIZE_ROWS_OP_TYPE, ["x"], ["q", "scale"], w.nodes,
+                                [helper.make_opsetid("", opset or OPSET)], attributes=["planes"])
+
+
+def make_dequantize_rows_function(opset: int | None = None):
+    """``DequantizeRows``' body in standard ops (module docstring)."""
+    from onnx import helper
+
+    from .onnx_graph import OPSET, NodeWriter
+
+    w = NodeWriter("dr_")
+    scaled = w.op("Mul", "y", "scale")                                                   # [P T, N]
+    shape = w.op("Concat", _planes(w), w.const([-1]), w.op("Shape", "y", start=1, end=2), axis=0)  # [P, -1, N]
+    total = w.op("ReduceSum", w.op("Reshape", scaled, shape), w.const([0]), keepdims=0)
+    w.op("Add", total, "bias", outputs=["output"])
+    return helper.make_function(DOMAIN, DEQUANTIZE_ROWS_OP_TYPE, ["y", "scale", "bias"], ["output"], w.nodes,
+                                [helper.make_opsetid("", opset or OPSET)], attributes=["planes"])
 
 
 def make_offsets_function(opset: int | None = None):

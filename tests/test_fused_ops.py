@@ -192,3 +192,103 @@ def test_add_block_offsets_rejects_mismatched_shapes(kernel_library):
             "offsets": np.zeros((8, 3), np.float32), "block_sum_matrix": np.zeros((64, 2), np.float32)}
     with pytest.raises(Exception, match=r"AddBlockOffsets: y \[2, 8\], x \[2, 64\] and offsets \[8, 3\]"):
         sess.run(None, feed)
+
+
+def quantize_rows_session(library=None, shape=("T", "K"), planes=1):
+    from builder.fused_ops import QUANTIZE_ROWS_OP_TYPE, make_quantize_rows_function
+
+    node = helper.make_node(QUANTIZE_ROWS_OP_TYPE, ["x"], ["q", "scale"], domain=DOMAIN, planes=planes)
+    return one_node_session(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                            [helper.make_tensor_value_info("q", TensorProto.UINT8, None),
+                             helper.make_tensor_value_info("scale", TensorProto.FLOAT, None)],
+                            make_quantize_rows_function(), library)
+
+
+def quantize_rows_reference(x, planes=1):
+    """Per-row uint8 codes in float32 arithmetic, as the op defines them (fused_ops.py):
+    ``s = max(max |x| * (1 / 127), 1e-30 / 127)``, ``v = x * (1 / s)``, ``q = rint(v) + 128``
+    (half to even); the second plane ``rint((v - rint(v)) * 254) + 128`` with scale ``s / 254``."""
+    f32 = np.float32
+    top = np.abs(x).max(axis=1, keepdims=True) if x.shape[1] else np.zeros((len(x), 1), f32)
+    scale = np.maximum(top * f32(1 / 127), f32(1e-30 / 127)).astype(f32)
+    v = (x * (f32(1) / scale)).astype(f32)
+    r = np.rint(v)
+    q = [np.clip(r, -128, 127) + 128]
+    scales = [scale]
+    if planes == 2:
+        q.append(np.clip(np.rint((v - r) * f32(254)), -128, 127) + 128)
+        scales.append((scale / f32(254)).astype(f32))
+    return np.concatenate(q).astype(np.uint8), np.concatenate(scales)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("tokens,width", [(1, 576), (64, 576), (3, 1536), (5, 37), (301, 960), (2, 15)])
+def test_quantize_rows_matches_reference(op_library, tokens, width, planes):
+    """Codes and scales bit for bit against numpy (vector widths and the scalar tail, the thread
+    pool at 301 x 960), with an all-zero row, exact ties (half to even), a row whose largest value
+    is negative, and values far apart in size; dequantized, each value within half a step of
+    the last plane (1 / 127 of the row's largest value; 1 / 32,258 with two planes)."""
+    from builder.fused_ops import QUANTIZE_ROWS_OP_TYPE
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((tokens, width)) * 3).astype(np.float32)
+    x[0, :3] = [-127.0, 2.5, -0.5]             # scale 1: 2.5 -> 2 and -0.5 -> -0 (half to even)
+    if tokens > 2:
+        x[1] = 0.0
+        x[2, 0] = -1e30
+    sess = quantize_rows_session(op_library, planes=planes)
+    q, scale = sess.run(None, {"x": x})
+    assert (QUANTIZE_ROWS_OP_TYPE in ops_run(sess)) is (op_library is not None)
+    want_q, want_scale = quantize_rows_reference(x, planes)
+    np.testing.assert_array_equal(scale, want_scale)
+    np.testing.assert_array_equal(q, want_q)
+    assert q[0, :3].tolist() == [1, 130, 128]
+    codes = (q.astype(np.float64) - 128) * scale
+    got = codes.reshape(planes, tokens, width).sum(axis=0)
+    step = scale[-tokens:].astype(np.float64)
+    assert (np.abs(got - x) <= 0.5 * step * (1 + 1e-6) + 3e-7 * np.abs(x)).all()   # (+ v's float32 rounding)
+
+
+def test_quantize_rows_rejects_a_vector_and_a_plane_count(kernel_library):
+    sess = quantize_rows_session(kernel_library, shape=None)
+    with pytest.raises(Exception, match=r"QuantizeRows: x \[7\] is not \[T, K\]"):
+        sess.run(None, {"x": np.zeros(7, np.float32)})
+    with pytest.raises(Exception, match="QuantizeRows: planes must be 1 or 2, got 3"):
+        quantize_rows_session(kernel_library, planes=3)
+
+
+def dequantize_rows_session(library=None, planes=1):
+    from builder.fused_ops import DEQUANTIZE_ROWS_OP_TYPE, make_dequantize_rows_function
+
+    f32 = TensorProto.FLOAT
+    node = helper.make_node(DEQUANTIZE_ROWS_OP_TYPE, ["y", "scale", "bias"], ["out"], domain=DOMAIN, planes=planes)
+    return one_node_session(node, [helper.make_tensor_value_info(n, f32, None) for n in ("y", "scale", "bias")],
+                            [helper.make_tensor_value_info("out", f32, None)], make_dequantize_rows_function(), library)
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("tokens,n", [(1, 960), (64, 3072), (5, 37), (301, 576)])
+def test_dequantize_rows_matches_reference(op_library, tokens, n, planes):
+    """sum over planes of y * scale, + bias, against float64 numpy (within float32 rounding of
+    the terms: the planes may cancel)."""
+    from builder.fused_ops import DEQUANTIZE_ROWS_OP_TYPE
+
+    rng = np.random.default_rng(8)
+    feed = {"y": rng.standard_normal((planes * tokens, n)).astype(np.float32) * 1e4,
+            "scale": rng.random((planes * tokens, 1)).astype(np.float32),
+            "bias": rng.standard_normal(n).astype(np.float32)}
+    sess = dequantize_rows_session(op_library, planes)
+    (got,) = sess.run(None, feed)
+    assert (DEQUANTIZE_ROWS_OP_TYPE in ops_run(sess)) is (op_library is not None)
+    scaled = (feed["y"].astype(np.float64) * feed["scale"]).reshape(planes, tokens, n)
+    want = scaled.sum(axis=0) + feed["bias"]
+    magnitude = np.abs(scaled).sum(axis=0) + np.abs(feed["bias"])    # float32 rounding of each term
+    assert (np.abs(got - want) <= 5e-7 * magnitude + 1e-6).all()
+
+
+def test_dequantize_rows_rejects_mismatched_shapes(kernel_library):
+    sess = dequantize_rows_session(kernel_library, planes=2)
+    feed = {"y": np.zeros((3, 8), np.float32), "scale": np.zeros((3, 1), np.float32), "bias": np.zeros(8, np.float32)}
+    with pytest.raises(Exception, match=r"DequantizeRows: y \[3, 8\], scale \[3, 1\] and bias \[8\] are not "
+                                        r"\[2 T, N\], \[2 T, 1\] and \[N\]"):
+        sess.run(None, feed)

@@ -1,4 +1,4 @@
-// Two fused elementwise ops around the attention and MLP GEMMs, each replacing a chain of
+// Three fused elementwise ops around the attention, MLP and integer GEMMs, each replacing a chain of
 // small ONNX Runtime nodes (and the copies between them) with one pass over the data:
 //
 // trtllm_lite::RotarySplitQKV   the fused QKV projection's output -> rotated q, rotated k, v
@@ -12,6 +12,13 @@
 // trtllm_lite::SiluAndMul   the fused gate/up projection's output -> SwiGLU activation
 //   input    gate_up [T, 2 I] float32 (gate columns first); output [T, I] = silu(gate) * up,
 //   silu(x) = x / (1 + e^-x) (Shazeer 2020, "GLU variants improve Transformer"; vLLM's silu_and_mul)
+//
+// trtllm_lite::QuantizeRows   a W8A8 linear's input -> its int8 codes per token (row)
+//   input    x [T, K] float32; outputs q [T, K] uint8, scale [T, 1] float32
+//   scale[t] = max(max_k |x[t, k]| * (1 / 127), 1e-30 / 127), q = rint(x * (1 / scale[t])) + 128
+//   (round half to even and zero point 128, as QuantizeLinear; codes in [1, 255]): the
+//   per-token dynamic activation quantization of SmoothQuant (Xiao et al. 2023) and vLLM's
+//   scaled_int8_quant, shifted to uint8 for ONNX Runtime's u8s8 integer GEMM.
 #include "kernel_common.h"
 
 namespace trtllm_lite_kernels {
@@ -175,7 +182,175 @@ OrtStatus* create_silu(const OrtKernelInfo*, void** kernel) {
   return new_kernel<SiluKernel>(kernel, [](SiluKernel&) { return static_cast<OrtStatus*>(nullptr); });
 }
 
+// ---- QuantizeRows --------------------------------------------------------------------------
+constexpr ONNXTensorElementDataType kQuantizeRowsInputs[1] = {kF32};
+constexpr ONNXTensorElementDataType kQuantizeRowsOutputs[2] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, kF32};
+
+struct QuantizeRowsStep {
+  const float* x;
+  uint8_t* q;
+  float* scale;
+  int64_t tokens, width, planes;
+};
+
+void quantize_rows(void* user, size_t item) {
+  const QuantizeRowsStep& st = *static_cast<const QuantizeRowsStep*>(user);
+  const int64_t k = st.width;
+  const int64_t end = std::min(st.tokens, static_cast<int64_t>(item + 1) * kRowsPerItem);
+  for (int64_t t = static_cast<int64_t>(item) * kRowsPerItem; t < end; ++t) {
+    const float* x = st.x + t * k;
+    uint8_t* q = st.q + t * k;
+    float top = 0.0f;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 top16 = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) top16 = _mm512_max_ps(top16, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    top = _mm512_reduce_max_ps(top16);
+#endif
+    for (; i < k; ++i) top = std::max(top, std::fabs(x[i]));
+    const float s = std::max(top * (1.0f / 127.0f), 1e-30f / 127.0f);
+    const float inv = 1.0f / s;
+    st.scale[t] = s;
+    uint8_t* q2 = st.planes == 2 ? st.q + (st.tokens + t) * k : nullptr;
+    if (q2) st.scale[st.tokens + t] = s / 254.0f;
+    i = 0;
+#ifdef __AVX512F__
+    // v = x * (1 / s); q = rint(v) (half to even: cvtps's default MXCSR mode), clamped to
+    // [-128, 127], + 128; the second plane: rint((v - rint(v)) * 254) + 128
+    const __m512 inv16 = _mm512_set1_ps(inv);
+    for (; i + 16 <= k; i += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), inv16);
+      const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512i c = _mm512_cvtps_epi32(r);
+      c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(-128)), _mm512_set1_epi32(127));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(c, _mm512_set1_epi32(128))));
+      if (q2) {
+        __m512i c2 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, r), _mm512_set1_ps(254.0f)));
+        c2 = _mm512_min_epi32(_mm512_max_epi32(c2, _mm512_set1_epi32(-128)), _mm512_set1_epi32(127));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(c2, _mm512_set1_epi32(128))));
+      }
+    }
+#endif
+    for (; i < k; ++i) {   // |v| <= 127 (rounding may touch 127.00001: clamp)
+      const float v = x[i] * inv, r = std::nearbyint(v);
+      q[i] = static_cast<uint8_t>(std::min(std::max(r, -128.0f), 127.0f) + 128.0f);
+      if (q2) q2[i] = static_cast<uint8_t>(std::min(std::max(std::nearbyint((v - r) * 254.0f), -128.0f), 127.0f) + 128.0f);
+    }
+  }
+}
+
+struct QuantizeRowsKernel : KernelBase {
+  int64_t planes = 1;
+  OrtStatus* compute(OrtKernelContext* context) override;
+};
+
+OrtStatus* QuantizeRowsKernel::compute(OrtKernelContext* context) {
+  Tensor x;
+  RETURN_IF_ERROR(read_input(context, 0, &x));
+  if (x.dims.size() != 2)
+    return error(ORT_INVALID_ARGUMENT, "QuantizeRows: x " + dims_string(x.dims) + " is not [T, K]");
+  QuantizeRowsStep st{};
+  st.tokens = x.dims[0];
+  st.width = x.dims[1];
+  st.planes = planes;
+  RETURN_IF_ERROR(data_of(x.value, &st.x));
+  RETURN_IF_ERROR(new_output(context, 0, {planes * st.tokens, st.width}, &st.q));
+  RETURN_IF_ERROR(new_output(context, 1, {planes * st.tokens, 1}, &st.scale));
+  if (st.tokens == 0) return nullptr;
+  return parallel_for(context, quantize_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem),
+                      &st, st.tokens * st.width < kSerialWork);
+}
+
+OrtStatus* read_planes(const OrtKernelInfo* info, const char* op, int64_t* planes) {
+  RETURN_IF_ERROR(optional_int_attribute(info, "planes", planes));
+  if (*planes != 1 && *planes != 2)
+    return error(ORT_INVALID_ARGUMENT, std::string(op) + ": planes must be 1 or 2, got " + std::to_string(*planes));
+  return nullptr;
+}
+
+OrtStatus* create_quantize_rows(const OrtKernelInfo* info, void** kernel) {
+  return new_kernel<QuantizeRowsKernel>(kernel, [info](QuantizeRowsKernel& k) {
+    return read_planes(info, "QuantizeRows", &k.planes);
+  });
+}
+
+// ---- DequantizeRows ------------------------------------------------------------------------
+constexpr ONNXTensorElementDataType kDequantizeRowsInputs[3] = {kF32, kF32, kF32};
+
+struct DequantizeRowsStep {
+  const float *y, *scale, *bias;
+  float* out;
+  int64_t tokens, width, planes;
+};
+
+void dequantize_rows(void* user, size_t item) {
+  const DequantizeRowsStep& st = *static_cast<const DequantizeRowsStep*>(user);
+  const int64_t n = st.width;
+  const int64_t end = std::min(st.tokens, static_cast<int64_t>(item + 1) * kRowsPerItem);
+  for (int64_t t = static_cast<int64_t>(item) * kRowsPerItem; t < end; ++t) {
+    const float* y0 = st.y + t * n;
+    const float s0 = st.scale[t];
+    float* out = st.out + t * n;
+    if (st.planes == 1) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) out[i] = y0[i] * s0 + (st.bias ? st.bias[i] : 0.0f);
+      continue;
+    }
+    const float* y1 = st.y + (st.tokens + t) * n;
+    const float s1 = st.scale[st.tokens + t];
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = y0[i] * s0 + y1[i] * s1 + (st.bias ? st.bias[i] : 0.0f);
+  }
+}
+
+struct DequantizeRowsKernel : KernelBase {
+  int64_t planes = 1;
+  OrtStatus* compute(OrtKernelContext* context) override;
+};
+
+OrtStatus* DequantizeRowsKernel::compute(OrtKernelContext* context) {
+  Tensor y, scale, bias;
+  RETURN_IF_ERROR(read_input(context, 0, &y));
+  RETURN_IF_ERROR(read_input(context, 1, &scale));
+  RETURN_IF_ERROR(read_input(context, 2, &bias));
+  const OrtValue* bias_value = bias.value;
+  if (y.dims.size() != 2 || y.dims[0] % planes || scale.dims.size() != 2 || scale.dims[0] != y.dims[0] ||
+      scale.dims[1] != 1 || (bias_value && (bias.dims.size() != 1 || bias.dims[0] != y.dims[1])))
+    return error(ORT_INVALID_ARGUMENT, "DequantizeRows: y " + dims_string(y.dims) + ", scale " +
+                                           dims_string(scale.dims) + (bias_value ? " and bias " + dims_string(bias.dims) : "") +
+                                           " are not [" + std::to_string(planes) + " T, N], [" +
+                                           std::to_string(planes) + " T, 1] and [N]");
+  DequantizeRowsStep st{};
+  st.planes = planes;
+  st.tokens = y.dims[0] / planes;
+  st.width = y.dims[1];
+  RETURN_IF_ERROR(data_of(y.value, &st.y));
+  RETURN_IF_ERROR(data_of(scale.value, &st.scale));
+  if (bias_value) RETURN_IF_ERROR(data_of(bias.value, &st.bias));
+  RETURN_IF_ERROR(new_output(context, 0, {st.tokens, st.width}, &st.out));
+  if (st.tokens == 0) return nullptr;
+  return parallel_for(context, dequantize_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem),
+                      &st, planes * st.tokens * st.width < kSerialWork);
+}
+
+OrtStatus* create_dequantize_rows(const OrtKernelInfo* info, void** kernel) {
+  return new_kernel<DequantizeRowsKernel>(kernel, [info](DequantizeRowsKernel& k) {
+    return read_planes(info, "DequantizeRows", &k.planes);
+  });
+}
+
 }  // namespace
+
+const OrtCustomOp* dequantize_rows_op() {
+  static const CustomOp op({"DequantizeRows", kDequantizeRowsInputs, 3, 1, create_dequantize_rows});
+  return &op;
+}
+
+const OrtCustomOp* quantize_rows_op() {
+  static const CustomOp op({"QuantizeRows", kQuantizeRowsInputs, 1, 2, create_quantize_rows, SIZE_MAX,
+                            kQuantizeRowsOutputs});
+  return &op;
+}
 
 const OrtCustomOp* rotary_split_qkv_op() {
   static const CustomOp op({"RotarySplitQKV", kRotaryInputs, 4, 3, create_rotary});

@@ -223,9 +223,10 @@ struct OpSpec {
   const char* name;
   const ONNXTensorElementDataType* input_types;
   size_t num_inputs;
-  size_t num_outputs;          // float32 outputs
+  size_t num_outputs;          // float32 outputs unless output_types says otherwise
   OrtStatus* (*create)(const OrtKernelInfo* info, void** kernel);   // a new KernelBase
   size_t num_required = SIZE_MAX;   // inputs [num_required, num_inputs) may be left out
+  const ONNXTensorElementDataType* output_types = nullptr;   // nullptr: every output float32
 };
 
 struct CustomOp : OrtCustomOp {
@@ -264,8 +265,9 @@ inline OrtStatus* optional_int_attribute(const OrtKernelInfo* info, const char* 
   return nullptr;
 }
 
+template <typename T = float>
 inline OrtStatus* new_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
-                             float** data) {
+                             T** data) {
   OrtValue* value = nullptr;
   RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
       g_api, kKernelContextGetOutput)(context, index, dims.data(), dims.size(), &value));
@@ -306,6 +308,8 @@ constexpr int64_t kSerialWork = 1 << 18;
 const OrtCustomOp* paged_attention_op();
 const OrtCustomOp* rotary_split_qkv_op();
 const OrtCustomOp* silu_and_mul_op();
+const OrtCustomOp* quantize_rows_op();
+const OrtCustomOp* dequantize_rows_op();
 const OrtCustomOp* add_block_offsets_op();
 const OrtCustomOp* quantized_linear_op();
 const OrtCustomOp* quantized_linear_with_offsets_op();

@@ -17,7 +17,9 @@ CustomOp::CustomOp(const OpSpec& s) : OrtCustomOp{}, spec(s) {
   GetInputTypeCount = [](const OrtCustomOp* op) { return spec_of(op).num_inputs; };
   GetInputType = [](const OrtCustomOp* op, size_t i) { return spec_of(op).input_types[i]; };
   GetOutputTypeCount = [](const OrtCustomOp* op) { return spec_of(op).num_outputs; };
-  GetOutputType = [](const OrtCustomOp*, size_t) { return kF32; };
+  GetOutputType = [](const OrtCustomOp* op, size_t i) {
+    return spec_of(op).output_types ? spec_of(op).output_types[i] : kF32;
+  };
   KernelDestroy = [](void* kernel) { delete static_cast<KernelBase*>(kernel); };
   GetInputCharacteristic = [](const OrtCustomOp* op, size_t i) {
     return i < spec_of(op).num_required ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
@@ -44,7 +46,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
       "trtllm_lite", &domain));
   for (const OrtCustomOp* op : {paged_attention_op(), rotary_split_qkv_op(), silu_and_mul_op(),
                                 add_block_offsets_op(), quantized_linear_op(), quantized_linear_with_offsets_op(),
-                                quantized_linear_split8_op()})
+                                quantized_linear_split8_op(), quantize_rows_op(),
+                                dequantize_rows_op()})
     RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, kCustomOpDomainAdd)(
         domain, op));
   // the domain must outlive every session that uses it: it is never released
