@@ -15,7 +15,7 @@ from .export_onnx import export_graphs
 from .draft import keep_first_layers
 from .loaders import load_model
 from .paged_attention import with_kv_write_in_op, without_attention_metadata
-from .quantize import QUANTIZATIONS, quantize_model
+from .quantize import QUANTIZATIONS, W8A8, quantize_model
 from .compile_tensorrt import (KV_WRITE, PRECISIONS, ProfileLimits, check_kv_cache_dtype, compile_engine,
                                import_tensorrt)
 
@@ -30,8 +30,11 @@ class BuildConfig:
     ``max_num_batched_tokens``: tokens one step may compute (the token budget);
     ``max_seq_len``: prompt + output tokens of one sequence; ``block_size``: tokens per KV block.
 
-    Weight-only quantization (:mod:`builder.quantize`): ``quantization`` ``none`` / ``int8`` /
-    ``int4``; ``quant_block_size`` weights per scale; ``quant_symmetric`` (else an integer
+    Quantization (:mod:`builder.quantize`): ``quantization`` ``none`` / ``int8`` / ``int4``
+    (weight-only, MatMulNBits) / ``w8a8`` (int8 weights per channel and activations per
+    token, ONNX Runtime's integer GEMM: faster batched steps, changes results;
+    ``activation_planes`` 2 (default: ~15-bit activations, only the weights' rounding
+    changes results) or 1 (classic W8A8: faster, changes them more)); ``quant_block_size`` weights per scale; ``quant_symmetric`` (else an integer
     zero point per block); ``quantize_lm_head`` (``None``: only when the GGUF stores the
     lm_head / tied embedding quantized, mapped exactly; ``False``: float32; ``True``:
     always); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations,
@@ -55,6 +58,7 @@ class BuildConfig:
     quantize_lm_head: bool | None = None
     accuracy_level: int | None = None
     kv_cache_dtype: str = "float32"
+    activation_planes: int | None = None
 
     def validate(self, max_positions: int | None = None) -> None:
         """Raise ``ValueError`` naming the first bad option; ``max_positions`` (the model's
@@ -88,6 +92,16 @@ class BuildConfig:
             raise ValueError(f"--quantization {self.quantization!r}: choose from {QUANTIZATIONS}")
         if self.quant_block_size < 16 or self.quant_block_size & (self.quant_block_size - 1):
             raise ValueError(f"--quant-block-size must be a power of two >= 16, got {self.quant_block_size}")
+        if self.activation_planes is not None and self.quantization != W8A8:
+            raise ValueError(f"--activation-planes {self.activation_planes}: only --quantization w8a8 "
+                             "quantizes activations")
+        if self.quantization == W8A8 and self.activation_planes is None:
+            self.activation_planes = 2
+        if self.quantization == W8A8 and self.activation_planes not in (1, 2):
+            raise ValueError(f"--activation-planes must be 1 or 2, got {self.activation_planes}")
+        if self.quantization == W8A8 and self.accuracy_level not in (None, 0):
+            raise ValueError(f"--accuracy-level {self.accuracy_level}: it sets MatMulNBits' precision "
+                             "(--quantization int8 / int4); w8a8 always takes int8 activations")
         if self.accuracy_level is None:
             self.accuracy_level = 0
         if self.accuracy_level not in (0, 1, 2, 3, 4):
@@ -144,7 +158,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     if os.path.isfile(os.path.join(output, MANIFEST)):
         os.remove(os.path.join(output, MANIFEST))
     quantized = quantize_model(loaded, bc.quantization, bc.quant_block_size, bc.quant_symmetric,
-                               bc.quantize_lm_head, bc.accuracy_level, log=_log)
+                               bc.quantize_lm_head, bc.accuracy_level, log=_log,
+                               activation_planes=bc.activation_planes or 2)
     if quantized:   # record what "auto" chose
         bc.quantize_lm_head = ("embed.weight" if cfg.tie_word_embeddings else "lm_head.weight") in quantized
     graphs, store = export_graphs(cfg, loaded.weights, bc.max_seq_len, quantized, bc.accuracy_level,
@@ -159,7 +174,7 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
             _log(f"writing weights {done}/{total}")
 
     weight_table = store.write(os.path.join(output, store.filename), progress)
-    variants = _accuracy_variants(graphs, bc.accuracy_level) if quantized else {}
+    variants = _accuracy_variants(graphs, bc.accuracy_level) if quantized and bc.quantization != W8A8 else {}
     for kind, graph in graphs.items():
         onnx.save(graph, os.path.join(output, f"{kind}.onnx"))
         onnx.checker.check_model(os.path.join(output, f"{kind}.onnx"))

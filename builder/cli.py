@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-layers", type=int, default=None,
                    help="build a speculative-decoding draft from the model's first N layers")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
-                   help="weight-only quantization of the linear layers (GGUF Q4_0/Q4_1/Q8_0 "
-                        "blocks map exactly, others are block-quantized)")
+                   help="quantization of the linear layers: int8/int4 weight-only (GGUF Q4_0/Q4_1/Q8_0 "
+                        "blocks map exactly, others are block-quantized); w8a8 int8 weights per "
+                        "channel and int8 activations per token (faster batched steps, changes results)")
     p.add_argument("--quant-block-size", type=int, default=d.quant_block_size,
                    help="weights per quantization block (power of two >= 16)")
     p.add_argument("--quant-asymmetric", action="store_true",
@@ -40,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
                    help="quantize the lm_head / tied embedding (default: only when the GGUF "
                         "stores it quantized, mapped exactly; float32 otherwise)")
+    p.add_argument("--activation-planes", type=int, default=None, choices=[1, 2],
+                   help="w8a8: int8 planes per activation: 2 (default, ~15 bits: only the weights' "
+                        "rounding changes results) or 1 (classic W8A8: faster batched steps, changes them more)")
     p.add_argument("--accuracy-level", type=int, default=None, choices=[0, 1, 2, 3, 4],
                    help="MatMulNBits compute precision: 0 float32 activations (default), "
                         "4 int8 activations (faster, changes results)")
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
                          quant_block_size=args.quant_block_size,
                          quant_symmetric=not args.quant_asymmetric,
                          quantize_lm_head=args.quantize_lm_head, accuracy_level=args.accuracy_level,
-                         kv_cache_dtype=args.kv_cache_dtype)
+                         kv_cache_dtype=args.kv_cache_dtype, activation_planes=args.activation_planes)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise ValueError(f"--output {args.output!r} exists and is not a directory")
     with warnings.catch_warnings():   # the loader's warnings (a capped sliding window) as build lines

@@ -32,13 +32,13 @@ from onnx import TensorProto, helper
 
 from .model_config import ModelConfig
 from .onnx_graph import MS_DOMAIN, OPSET, NodeWriter, WeightStore
-from .fused_ops import (OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OP_TYPE,
-                        QUANTIZED_LINEAR_SPLIT8_OP_TYPE, ROTARY_OP_TYPE,
-                        SILU_OP_TYPE, make_offsets_function, make_quantized_linear_functions, make_rotary_function,
-                        make_silu_function)
+from .fused_ops import (DEQUANTIZE_ROWS_OP_TYPE, OFFSETS_OP_TYPE, QUANTIZE_ROWS_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE,
+                        QUANTIZED_LINEAR_OP_TYPE, QUANTIZED_LINEAR_SPLIT8_OP_TYPE, ROTARY_OP_TYPE,
+                        SILU_OP_TYPE, make_dequantize_rows_function, make_offsets_function, make_quantize_rows_function,
+                        make_quantized_linear_functions, make_rotary_function, make_silu_function)
 from .paged_attention import (DOMAIN, OP_TYPE, check_kv_cache_dtype_name, make_onnx_function, make_onnx_functions,
                               write_attention_metadata)
-from .quantize import QuantizedLinear, pack_codes
+from .quantize import QuantizedLinear, W8A8Linear, pack_codes
 
 
 GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
@@ -115,6 +115,7 @@ class DecoderGraphWriter:
         self.used: list[str] = []
         self.metadata: tuple[str, ...] = ()   # attention metadata, written once (runtime KV write)
         self.quantized_linear_ops = False     # QuantizedLinear nodes written (their functions go with them)
+        self.quantize_rows_ops = False        # QuantizeRows nodes written (W8A8 linears)
 
     def weight(self, name: str) -> str:
         if name not in self.weights.arrays:
@@ -145,6 +146,8 @@ class DecoderGraphWriter:
                 args.append(self.weight(prefix + ".bias"))
             return self.w.op("Gemm", *args, transB=1, outputs=outputs)
         bias = self.weight(prefix + ".bias") if self.has(prefix + ".bias") else ""
+        if isinstance(q, W8A8Linear):
+            return self.w8a8_linear(x, name, q.activation_planes, bias, outputs)
         zp = self.weight(name + ".zero_points") if q.zero_points is not None else ""
         split8 = self.ort_ops and self.accuracy_level == 0 and q.repeats == 2   # x once, not [x, x]
         xin = x if q.repeats == 1 or split8 else self.w.op("Concat", *[x] * q.repeats, axis=1)
@@ -175,6 +178,29 @@ class DecoderGraphWriter:
                              block_size=q.block_size, outputs=outputs)
         sums = self.w.op("MatMul", x, block_sums)                                           # [T, blocks]
         return self.w.op("Gemm", sums, self.weight(name + ".offsets"), y, transB=1, outputs=outputs)
+
+    def w8a8_linear(self, x: str, name: str, planes: int, bias: str, outputs: int | list[str]) -> str:
+        """``x [T, K] float32`` through a :class:`~builder.quantize.W8A8Linear`: x quantized to
+        ``planes`` uint8 planes per token (``QuantizeRows``, :mod:`builder.fused_ops`: codes
+        ``q [planes T, K]``, zero point 128, ``scale [planes T, 1]``), ONNX Runtime's integer
+        GEMM over every plane at once (``MatMulIntegerToFloat``: ``(q - 128) @ int8_weight *
+        channel_scales``), then the planes scaled and summed [+ bias] (``DequantizeRows``).
+        A token's result does not depend on the other tokens of the step."""
+        w = self.w
+        self.quantize_rows_ops = True
+        if not self.has("w8a8.one"):
+            self.weights.add("w8a8.one", np.array(1.0, np.float32))
+            self.weights.add("w8a8.zero_point", np.array(128, np.uint8))
+        q, scale = w.op(QUANTIZE_ROWS_OP_TYPE, x, domain=DOMAIN, outputs=2, planes=planes)
+        y = w.op("MatMulIntegerToFloat", q, self.weight(name + ".int8_weight"), self.weight("w8a8.one"),
+                 self.weight(name + ".channel_scales"), self.weight("w8a8.zero_point"), domain=MS_DOMAIN)
+        n = self.weights.arrays[name + ".channel_scales"].shape[0]
+        if not bias:   # (the op's bias is required: its function body cannot leave an input out)
+            bias = f"w8a8.zero_bias.{n}"
+            if not self.has(bias):
+                self.weights.add(bias, np.zeros(n, np.float32))
+            bias = self.weight(bias)
+        return w.op(DEQUANTIZE_ROWS_OP_TYPE, y, scale, bias, domain=DOMAIN, planes=planes, outputs=outputs)
 
     def block_sum_matrix(self, num_blocks: int, block_size: int, rows: int | None = None) -> str:
         """``[rows, num_blocks]`` float32 of 0/1 (``rows`` defaults to ``num_blocks * block_size``;
@@ -355,10 +381,12 @@ class DecoderGraphWriter:
                      if self.kv_write == "runtime" else [in_op_function()])
         if self.fused_ops:
             functions += [make_rotary_function(c.num_heads, c.num_kv_heads, c.head_dim), make_silu_function()]
-        if self.ort_ops and any(q.offsets is not None for q in self.quantized.values()):
+        if self.ort_ops and any(getattr(q, "offsets", None) is not None for q in self.quantized.values()):
             functions.append(make_offsets_function())
         if self.quantized_linear_ops:
             functions += make_quantized_linear_functions()
+        if self.quantize_rows_ops:
+            functions += [make_quantize_rows_function(), make_dequantize_rows_function()]
         model = helper.make_model(graph, opset_imports=opsets, functions=functions,
                                   producer_name="trtllm-lite")
         model.ir_version = 10
@@ -406,9 +434,8 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
         if name not in quantized or name == "embed.weight":
             store.add(name, arr.astype(np.float32, copy=False))
     for name, q in quantized.items():
-        for part in ("qweight", "scales", "zero_points", "offsets"):
-            if getattr(q, part) is not None:
-                store.add(f"{name}.{part}", getattr(q, part))
+        for part, arr in q.stored_tensors().items():
+            store.add(f"{name}.{part}", arr)
     add_rope_tables(config, store, max_seq_len)
     if config.family == "gpt2" and max_seq_len > config.max_position_embeddings:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds GPT-2's learned positions "

@@ -37,6 +37,15 @@ From float weights (:func:`quantize_weight`): symmetric blocks use the signed va
 largest magnitude ``v`` and ``scale = v / -2 ** (bits - 1)`` (llama.cpp's Q4_0 rule), so
 the full code range is used; asymmetric blocks map ``[min(w, 0), max(w, 0)]`` onto
 ``[0, 2 ** bits - 1]`` with an integer zero point.
+
+``w8a8`` is not weight-only: int8 weights with one scale per output channel
+(:class:`W8A8Linear`, :func:`quantize_w8a8`) and int8 activations with one scale per token,
+taken at run time (``builder.export_onnx``'s ``w8a8_linear``), for ONNX Runtime's integer GEMM
+(``MatMulIntegerToFloat``; SmoothQuant's per-channel x per-token scheme without the smoothing,
+Xiao et al. 2023, and vLLM's / TensorRT-LLM's W8A8 INT8). With ``activation_planes=2`` (the
+default) each activation is two int8 codes, the second the first's rounding error x 254, so
+only the weights' rounding is left. It trades exact arithmetic for the integer GEMM's rate in
+batched steps (~6x float32's on this machine's AMX at 2048^3).
 """
 from __future__ import annotations
 
@@ -44,8 +53,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 BITS = {"int8": 8, "int4": 4}
+W8A8 = "w8a8"   # int8 weights per output channel, int8 activations per token (not weight-only)
 GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 GGUF_BLOCK = 32
 
@@ -84,6 +94,12 @@ class QuantizedLinear:
     def num_offset_blocks(self) -> int:
         """Blocks per row of the input (and of ``offsets``)."""
         return -(-self.k // self.block_size)
+
+    def stored_tensors(self) -> dict[str, np.ndarray]:
+        """Suffix -> array, as the weight store keeps them (``{name}.{suffix}``)."""
+        parts = {"qweight": self.qweight, "scales": self.scales, "zero_points": self.zero_points,
+                 "offsets": self.offsets}
+        return {k: v for k, v in parts.items() if v is not None}
 
     def codes(self) -> np.ndarray:
         """Unpacked codes ``[N, num_blocks * block_size]`` uint8."""
@@ -224,6 +240,50 @@ def from_gguf(tensor_type: str, raw: np.ndarray, k: int) -> QuantizedLinear:
                            zero_points, _f16(blocks, 2), source="gguf:Q4_1")
 
 
+@dataclass
+class W8A8Linear:
+    """One ``[N, K]`` linear weight for the W8A8 integer GEMM: ``weight [K, N]`` int8 codes in
+    ``[-127, 127]`` (transposed, as ``MatMulIntegerToFloat``'s B), ``scales [N]`` float32,
+    ``w[n, k] = weight[k, n] * scales[n]``. ``activation_planes``: the int8 planes its input
+    is quantized to per token (1: W8A8's ~8 bits; 2: a second plane holds the first's
+    rounding error, ~15 bits, for twice the integer GEMM rows; ``builder.fused_ops``'
+    ``QuantizeRows``)."""
+
+    n: int
+    k: int
+    weight: np.ndarray
+    scales: np.ndarray
+    source: str = "float"
+    activation_planes: int = 2
+
+    def stored_tensors(self) -> dict[str, np.ndarray]:
+        """Suffix -> array, as the weight store keeps them (``{name}.{suffix}``)."""
+        return {"int8_weight": self.weight, "channel_scales": self.scales}
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 ``[N, K]`` weight this stands for."""
+        return (self.weight.astype(np.float32) * self.scales[None, :]).T.copy()
+
+
+def quantize_w8a8(w: np.ndarray, activation_planes: int = 2) -> W8A8Linear:
+    """Symmetric int8 codes for a float ``[N, K]`` weight, one scale per output channel
+    (row): ``scale = max |w[n]| / 127`` (1 for an all-zero row), codes ``rint(w / scale)``.
+
+    Raises:
+        ValueError: ``w`` is not 2-D, or ``activation_planes`` is not 1 or 2.
+    """
+    if activation_planes not in (1, 2):
+        raise ValueError(f"--activation-planes must be 1 or 2, got {activation_planes}")
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_w8a8 takes a [N, K] weight, got shape {w.shape}")
+    top = np.abs(w).max(axis=1).astype(np.float64)
+    scales = np.where(top > 0, top / 127.0, 1.0)
+    codes = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
+    return W8A8Linear(w.shape[0], w.shape[1], np.ascontiguousarray(codes.T), scales.astype(np.float32),
+                      activation_planes=activation_planes)
+
+
 def linear_weight_names(config, include_lm_head: bool) -> list[str]:
     """Canonical names of the weights a linear layer (GEMM) reads; ``embed.weight`` stands
     for a tied lm_head."""
@@ -235,9 +295,12 @@ def linear_weight_names(config, include_lm_head: bool) -> list[str]:
 
 
 def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: bool = True,
-                   quantize_lm_head: bool | None = None, accuracy_level: int = 0, log=None
-                   ) -> dict[str, QuantizedLinear]:
+                   quantize_lm_head: bool | None = None, accuracy_level: int = 0, log=None,
+                   activation_planes: int = 2) -> dict[str, QuantizedLinear | W8A8Linear]:
     """Choose and quantize the linear weights of a :class:`~builder.loaders.LoadedModel`.
+
+    ``w8a8``: every linear weight (the lm_head only when ``quantize_lm_head`` is true) to
+    :func:`quantize_w8a8` with ``activation_planes``, from its float values. The others:
 
     A weight the GGUF stores in a type of the requested width (Q4_0/Q4_1 for ``int4``,
     Q8_0 for ``int8``) is mapped exactly (:func:`from_gguf`, block size 32); any other is
@@ -257,6 +320,13 @@ def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: b
         raise ValueError(f"--quantization {quantization!r}: choose from {QUANTIZATIONS}")
     if quantization == "none":
         return {}
+    if quantization == W8A8:   # float weights requantized per channel (a GGUF's blocks included)
+        out = {name: quantize_w8a8(loaded.weights[name], activation_planes)
+               for name in linear_weight_names(loaded.config, bool(quantize_lm_head))}
+        if log:
+            log(f"quantized {len(out)} linear weights to int8 per output channel, activations to "
+                f"{activation_planes} int8 plane{'s' if activation_planes > 1 else ''} per token at run time (w8a8)")
+        return out
     bits = BITS[quantization]
     raw = loaded.extra.get("gguf_raw", {})
     exact = {4: ("Q4_0", "Q4_1"), 8: ("Q8_0",)}[bits]

@@ -18,7 +18,7 @@ from builder.export_onnx import DecoderGraphWriter
 from builder.loaders import load_model
 from builder.model_config import ModelConfig
 from builder.onnx_graph import OPSET, WeightStore
-from builder.quantize import from_gguf, quantize_model, quantize_weight, split_8bit
+from builder.quantize import from_gguf, quantize_model, quantize_w8a8, quantize_weight, split_8bit
 from trtllm_lite import LLM, SamplingParams
 from trtllm_lite.runners.base import ScheduledSeq, StepBatch
 
@@ -374,6 +374,9 @@ def test_build_options_are_validated():
     for bad, name in ((dict(quantization="int3"), "--quantization"),
                       (dict(quantization="int4", quant_block_size=24), "--quant-block-size"),
                       (dict(quantization="int4", accuracy_level=7), "--accuracy-level"),
+                      (dict(quantization="w8a8", accuracy_level=4), "--accuracy-level 4: .* w8a8 always takes int8"),
+                      (dict(quantization="w8a8", activation_planes=3), "--activation-planes must be 1 or 2, got 3"),
+                      (dict(quantization="int4", activation_planes=1), "--activation-planes 1: only --quantization w8a8"),
                       (dict(max_num_seqs=64, max_num_batched_tokens=32), r"--max-num-batched-tokens \(32\) must be >= --max-num-seqs \(64\)")):
         with pytest.raises(ValueError, match=name):
             BuildConfig(**bad).validate(4096)
@@ -425,6 +428,99 @@ def test_tiny_quantized_engine_matches_hf_on_dequantized_weights(tiny_model, tmp
                                      max_new_tokens=8, do_sample=False,
                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == ref
+
+
+# -- W8A8: int8 weights per channel, int8 activations per token ---------------------------
+
+def test_w8a8_weight_codes_within_half_a_step():
+    """Per output channel: the largest weight maps to +-127 exactly, every weight within half
+    a step of its code; an all-zero row keeps scale 1 and codes 0."""
+    w = random_weight(40, 72, seed=3) * np.linspace(0.01, 10, 40, dtype=np.float32)[:, None]
+    w[5] = 0.0
+    q = quantize_w8a8(w)
+    assert q.weight.shape == (72, 40) and q.weight.dtype == np.int8 and q.scales.shape == (40,)
+    assert np.abs(q.weight).max(axis=0)[[i for i in range(40) if i != 5]].min() == 127
+    assert q.scales[5] == 1.0 and not q.weight[:, 5].any()
+    err = np.abs(q.dequantize() - w)
+    assert (err <= 0.5 * q.scales[:, None] * (1 + 1e-6)).all()
+
+
+def w8a8_reference_logits(hf, hf_dir, prompt, quantize_lm_head=False, planes=2):
+    """HF on the w8a8 weights dequantized, with every linear's input rounded per token as the
+    engine rounds it (QuantizeRows), in float64: the engine's arithmetic up to float32 rounding."""
+    import copy
+
+    from .test_fused_ops import quantize_rows_reference
+
+    loaded = load_model(hf_dir)
+    quantized = quantize_model(loaded, "w8a8", quantize_lm_head=quantize_lm_head, activation_planes=planes)
+    c, model = loaded.config, copy.deepcopy(hf).double()
+
+    def round_rows(module, args):
+        x = args[0].float().numpy()[0]
+        q, scale = quantize_rows_reference(x, planes)
+        rounded = ((q.astype(np.float64) - 128) * scale).reshape(planes, *x.shape).sum(axis=0)
+        return (torch.from_numpy(rounded)[None],)
+
+    for i, layer in enumerate(model.model.layers):
+        qkv = quantized[f"layers.{i}.qkv.weight"].dequantize()
+        q, k, v = np.split(qkv, [c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim])
+        gate, up = np.split(quantized[f"layers.{i}.gate_up.weight"].dequantize(), 2)
+        for param, value in ((layer.self_attn.q_proj, q), (layer.self_attn.k_proj, k),
+                             (layer.self_attn.v_proj, v), (layer.mlp.gate_proj, gate), (layer.mlp.up_proj, up),
+                             (layer.self_attn.o_proj, quantized[f"layers.{i}.o.weight"].dequantize()),
+                             (layer.mlp.down_proj, quantized[f"layers.{i}.down.weight"].dequantize())):
+            param.weight.data = torch.from_numpy(value.astype(np.float64))
+            param.register_forward_pre_hook(round_rows)
+    if quantize_lm_head:   # (untied: the embedding keeps its float table, as the engine's Gather does)
+        head = quantized["embed.weight" if c.tie_word_embeddings else "lm_head.weight"].dequantize()
+        model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(head.astype(np.float64)))
+        model.lm_head.register_forward_pre_hook(round_rows)
+    with torch.no_grad():
+        return model.eval()(torch.tensor([prompt])).logits[0, -1].numpy()
+
+
+@pytest.mark.parametrize("kind,quantize_lm_head,planes", [("llama-gqa", None, 2), ("qwen2-bias", None, 2),
+                                                        ("llama-gqa", True, 1), ("qwen2-bias", None, 1)])
+def test_tiny_w8a8_engine_matches_its_arithmetic_and_is_batch_invariant(tiny_model, tmp_path, kind,
+                                                                        quantize_lm_head, planes):
+    """The w8a8 engine's logits against HF computing the same arithmetic (weights dequantized,
+    linear inputs rounded per token), biases included (qwen2); a prompt's logits and greedy
+    tokens the same alone and batched with others (per-token scales: no token's rounding
+    depends on another's); the tied lm_head stays float32 unless asked."""
+    hf, float_engine = tiny_model(kind)
+    hf_dir = float_engine.replace("engine", "hf")
+    engine = build(hf_dir, str(tmp_path / "engine"), max_seq_len=256, max_num_batched_tokens=256,
+                   max_num_seqs=16, block_size=4, quantization="w8a8", quantize_lm_head=quantize_lm_head,
+                   activation_planes=planes)
+    import contextlib
+    import io
+
+    from trtllm_lite.cli import main
+    from trtllm_lite.engine_dir import load_engine_dir
+
+    manifest = load_engine_dir(engine).manifest
+    assert manifest["quantization"]["method"] == "w8a8" and manifest["graph_variants"]["accuracy_level"] == {}
+    head_tensors = [n for n in manifest["weights"]["tensors"] if n.startswith(("embed.weight.", "lm_head.weight."))]
+    assert bool(head_tensors) is bool(quantize_lm_head)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["info", "--engine", engine]) == 0
+    assert (f"quantized   w8a8 (int8 weights per output channel, activations as {planes} int8 "
+            f"plane{'s' if planes > 1 else ''} per token), lm_head {'int8' if quantize_lm_head else 'float'}"
+            ) in out.getvalue()
+    llm = LLM(engine, num_kv_blocks=64, verify_checksums=False, num_threads=1)
+    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30)]
+    seqs = [ScheduledSeq(p, list(range(8 * i, 8 * i + 8)), 0, len(p)) for i, p in enumerate(prompts)]
+    batched = llm.engine.runner.execute(StepBatch(prefill=seqs))
+    for row, p in zip(batched, prompts):
+        ref = w8a8_reference_logits(hf, hf_dir, p, bool(quantize_lm_head), planes)
+        np.testing.assert_allclose(row, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+    alone = llm.engine.runner.execute(StepBatch(prefill=[ScheduledSeq(prompts[2], list(range(8)), 0, 30)]))
+    np.testing.assert_array_equal(alone[0], batched[2])
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert together == [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
 
 
 # -- SmolLM2 int4 straight from the GGUF's Q4_1 blocks, against the fp32 engine -----------

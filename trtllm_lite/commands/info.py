@@ -30,7 +30,11 @@ def run(args: argparse.Namespace) -> int:
           f"{build['max_num_seqs']}, max_num_batched_tokens {build['max_num_batched_tokens']}, "
           f"max_seq_len {build['max_seq_len']}")
     quantization = build.get("quantization", "none")
-    if quantization != "none":
+    if quantization == "w8a8":
+        planes = build.get("activation_planes") or 2
+        print(f"quantized   w8a8 (int8 weights per output channel, activations as {planes} int8 "
+              f"plane{'s' if planes > 1 else ''} per token), lm_head {'int8' if build.get('quantize_lm_head') else 'float'}")
+    elif quantization != "none":
         sources = sorted(set(m.get("quantization", {}).get("weights", {}).values()))
         levels = sorted({str(build.get("accuracy_level"))} | set(m.get("graph_variants", {}).get("accuracy_level", {})))
         print(f"quantized   {quantization} (block {build.get('quant_block_size')}, from {', '.join(sources)}), "
