@@ -71,7 +71,8 @@ def measure_bounds(threads: int) -> dict[str, float]:
     while, and an ONNX Runtime GEMM right after ran 15-20% slower on 2 cores (session 25)."""
     gemm_rate_ort = bench_bounds.ort_gemm_rate(num_threads=threads)
     bounds = {"read_bandwidth": max(bench_bounds.read_bandwidth(threads), bench_bounds.gemv_bandwidth()),
-              "gemm_rate_numpy": bench_bounds.gemm_rate(), "gemm_rate_ort": gemm_rate_ort}
+              "gemm_rate_numpy": bench_bounds.gemm_rate(), "gemm_rate_ort": gemm_rate_ort,
+              "int8_gemm_rate_ort": bench_bounds.ort_int8_gemm_rate(num_threads=threads)}
     bounds["gemm_rate"] = max(bounds["gemm_rate_numpy"], bounds["gemm_rate_ort"])
     return bounds
 
@@ -170,7 +171,7 @@ def exit_reason(returncode: int) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="latency and greedy checks only")
-    p.add_argument("--skip", nargs="*", default=[], choices=["hf", "genai", "llamacpp", "int4-acc4", "kv16", "paired"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["hf", "genai", "llamacpp", "int4-acc4", "kv16", "w8a8", "paired"])
     p.add_argument("--paired-rounds", type=int, default=7,
                    help="rounds of the paired batch-1 run (our fp32 and int4 engines, genai fp32 and int4, one process)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -204,6 +205,9 @@ def main(argv=None) -> int:
     skip = set(args.skip)
     kv16 = None if "kv16" in skip else ensure_engine(os.path.join(e, "bench-smollm2-fp32-kv16"),
                                                       kv_cache_dtype="float16")
+    w8a8 = None if "w8a8" in skip else ensure_engine(os.path.join(e, "bench-smollm2-w8a8"), quantization="w8a8")
+    w8a8_1 = None if "w8a8" in skip else ensure_engine(os.path.join(e, "bench-smollm2-w8a8-1plane"),
+                                                       quantization="w8a8", activation_planes=1)
     spec = make_spec(args, fp32)
     notes = [f"{name} skipped (--skip)" for name in args.skip]
     if "genai" not in skip and not GenAIPeer.available():
@@ -234,6 +238,8 @@ def main(argv=None) -> int:
             plan.pop(1)
         if "int4-acc4" not in skip:
             plan.append(("ours-int4-acc4", "ours", int4, {"TRTLLM_LITE_ORT_ACCURACY_LEVEL": "4"}))
+        if "w8a8" not in skip:
+            plan += [("ours-w8a8", "ours", w8a8, {}), ("ours-w8a8-1plane", "ours", w8a8_1, {})]
         if "hf" not in skip:
             plan.append(("hf", "hf", None, {}))
         if "genai" not in skip:
@@ -257,7 +263,8 @@ def main(argv=None) -> int:
             result = run_worker("paired", "paired", spec_path, None, full, failures=notes)
             if result is not None:
                 results["paired"] = result
-    for name, path in (("ours-fp32", fp32), ("ours-fp32-kv16", kv16), ("ours-int4", int4)):
+    for name, path in (("ours-fp32", fp32), ("ours-fp32-kv16", kv16), ("ours-int4", int4), ("ours-w8a8", w8a8),
+                       ("ours-w8a8-1plane", w8a8_1)):
         if path is None:
             continue
         with open(os.path.join(path, "engine.json")) as f:

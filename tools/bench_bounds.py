@@ -4,6 +4,8 @@
   ``tokens/s <= read bandwidth / bytes of weights read per step``;
 * batched decode is bound by compute: ``tokens/s <= GEMM rate / (2 * parameters)``
   (one multiply-add per parameter per token; attention FLOPs left out, small at these lengths).
+  The float32 GEMM rate sets the bound of the float engines; a W8A8 engine's linears run at
+  the integer GEMM rate (:func:`ort_int8_gemm_rate`), printed beside it.
 """
 from __future__ import annotations
 
@@ -83,6 +85,38 @@ def ort_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: int = 
     return 2 * n ** 3 / best
 
 
+def ort_int8_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: int = 5) -> float:
+    """Integer GEMM rate (multiply-adds x 2 per second) of ONNX Runtime's
+    ``MatMulIntegerToFloat`` with uint8 A and int8 B (MLAS's u8s8 kernel, prepacked B: AMX or
+    VNNI where the CPU has them) on ``n x n x n``, best of ``repeats``: what a W8A8 engine's
+    GEMMs can reach."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (n, n), dtype=np.uint8)
+    inits = [numpy_helper.from_array(rng.integers(-127, 128, (n, n), dtype=np.int8), "b"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "a_scale"),
+             numpy_helper.from_array(np.full(n, 1e-3, np.float32), "b_scale"),
+             numpy_helper.from_array(np.array(128, np.uint8), "a_zero_point")]
+    node = helper.make_node("MatMulIntegerToFloat", ["a", "b", "a_scale", "b_scale", "a_zero_point"], ["y"],
+                            domain="com.microsoft")
+    graph = helper.make_graph([node], "int8_gemm", [helper.make_tensor_value_info("a", TensorProto.UINT8, [n, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = num_threads or os.cpu_count() or 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feed = {"a": a}
+    sess.run(None, feed)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sess.run(None, feed)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
 def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
     """Bytes of weights one decode step reads, from an engine manifest's weight table.
 
@@ -108,7 +142,7 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
         if not (name.startswith(("layers.", "final_norm", head + ".")) or (name == head and not quantized_head)):
             continue
         weight, _, part = name.rpartition(".")
-        if kernel_layout and weight in sources and 2 * tensors[weight + ".qweight"]["shape"][-1] == (
+        if kernel_layout and weight + ".qweight" in tensors and 2 * tensors[weight + ".qweight"]["shape"][-1] == (
                 32 if sources[weight].startswith("gguf:") else manifest["build"]["quant_block_size"]):
             if part == "qweight":   # 4-bit codes: a QuantizedLinear node (8-bit ones stay MatMulNBits)
                 n, nb, code_bytes = t["shape"]
@@ -119,6 +153,16 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
             continue
         total += t["nbytes"]
     return total
+
+
+def w8a8_compute_bound(manifest: dict, int8_rate: float, float_rate: float) -> float:
+    """Tokens/s a W8A8 engine's batched steps can reach: its int8 linears (the
+    ``*.int8_weight`` tensors) at ``int8_rate``, its other parameters (the float lm_head) at
+    ``float_rate`` (both per second, 2 x multiply-adds)."""
+    int8_params = sum(int(np.prod(t["shape"])) for name, t in manifest["weights"]["tensors"].items()
+                      if name.endswith(".int8_weight"))
+    float_params = flops_per_token(manifest) / 2 - int8_params
+    return 1.0 / (2 * int8_params / int8_rate + 2 * float_params / float_rate)
 
 
 def flops_per_token(manifest: dict) -> float:

@@ -13,8 +13,12 @@ BEGIN, END = "<!-- bench.py:cpu begin -->", "<!-- bench.py:cpu end -->"
 NAMES = {"ours-fp32": "trtllm-lite fp32", "ours-fp32-kv16": "trtllm-lite fp32, float16 KV cache",
          "ours-int4": "trtllm-lite int4 (GGUF Q4_1, accuracy 0)",
          "ours-int4-acc4": "trtllm-lite int4, accuracy_level 4 (int8 activations)",
+         "ours-w8a8": "trtllm-lite w8a8 (int8 weights per channel; activations as two int8 planes per token)",
+         "ours-w8a8-1plane": "trtllm-lite w8a8, one activation plane (classic W8A8)",
          "hf": "HF transformers fp32", "genai-fp32": "onnxruntime-genai fp32",
          "genai-int4": "onnxruntime-genai int4", "llamacpp": "llama.cpp Q4_1 (llama-cpp-python)"}
+
+OURS_SWEPT = ("ours-fp32", "ours-fp32-kv16", "ours-int4", "ours-w8a8", "ours-w8a8-1plane")   # engines with a concurrency sweep
 
 
 def _fmt(x, digits=1) -> str:
@@ -33,6 +37,7 @@ class Report:
         if "ours-int4" in manifests:   # MatMulNBits (prepacked) reads the engine's own tensors
             self.bytes["ours-int4-acc4"] = bench_bounds.decode_bytes_per_step(manifests["ours-int4"], streamed=False)
         self.flops = bench_bounds.flops_per_token(manifests["ours-fp32"])
+        self.w8a8_manifests = {k: m for k, m in manifests.items() if k.startswith("ours-w8a8")}
         self.tokenizer = None
 
     def get(self, system, *keys):
@@ -50,6 +55,16 @@ class Report:
     @property
     def bound_compute(self):
         return self.bounds["gemm_rate"] / self.flops
+
+    def bound_compute_w8a8(self, system: str):
+        """A W8A8 engine's own compute bound, tokens/s (its int8 linears at the integer GEMM
+        rate, once per activation plane; the float lm_head at the float32 rate), or None."""
+        manifest = self.w8a8_manifests.get(system)
+        if not manifest or "int8_gemm_rate_ort" not in self.bounds:
+            return None
+        planes = manifest["build"].get("activation_planes") or 2
+        return bench_bounds.w8a8_compute_bound(manifest, self.bounds["int8_gemm_rate_ort"] / planes,
+                                               self.bounds["gemm_rate"])
 
     def answer(self, system) -> str | None:
         ids = self.get(system, "greedy")
@@ -109,6 +124,21 @@ class Report:
               g("ours-fp32", "equal", "output_tokens_per_s"), self.bound_compute, 0.5, "{:.0%}")
         ratio("64 x 128/128: >= 50% of the compute bound (prompt + output tokens/s, each 2 x params FLOPs)",
               g("ours-fp32", "equal", "total_tokens_per_s"), self.bound_compute, 0.5, "{:.0%}")
+        for k, label in (("ours-w8a8", "w8a8 engine"), ("ours-w8a8-1plane", "w8a8 engine, one activation plane")):
+            if not g(k, "equal"):   # int8 arithmetic: past float32's bound; measured against its own too
+                continue
+            ratio(f"64 x 128/128, {label}: >= HF static batching (64)", g(k, "equal", "output_tokens_per_s"),
+                  g("hf", "equal", "output_tokens_per_s"), 1.0)
+            ratio(f"64 x 128/128, {label}: >= 50% of the compute bound (output tokens/s; float32 GEMM's bound, "
+                  "as above)", g(k, "equal", "output_tokens_per_s"), self.bound_compute, 0.5, "{:.0%}")
+            own = self.bound_compute_w8a8(k)
+            if own:
+                x = g(k, "equal", "total_tokens_per_s") / own
+                out.append((f"64 x 128/128, {label}: prompt + output tokens/s against its own bound (int8 "
+                            "linears at the integer GEMM rate)", f"{x:.0%}", None))
+            a, b = g(k, "equal", "output_tokens_per_s"), g("ours-fp32", "equal", "output_tokens_per_s")
+            if a and b:
+                out.append((f"64 x 128/128: {label} vs fp32 (output tokens/s)", f"{a / b:.2f}x", None))
         for w, label in (("random", "64 random-length requests"), ("equal", "64 x 128/128")):
             a, b = g("ours-fp32-kv16", w, "output_tokens_per_s"), g("ours-fp32", w, "output_tokens_per_s")
             if a and b:   # (no target: what the float16 KV cache gives, same memory budget)
@@ -178,6 +208,15 @@ class Report:
               f"{b['gemm_rate_numpy'] / 1e9:.0f} / {b['gemm_rate_ort'] / 1e9:.0f} GFLOP/s |",
               f"| FLOPs per token (2 x parameters) | {self.flops / 1e9:.3f} GFLOP |",
               f"| compute bound, batched decode | {self.bound_compute:,.0f} tokens/s |"]
+        if "int8_gemm_rate_ort" in b:
+            L.append(f"| int8 GEMM rate, ONNX Runtime MatMulIntegerToFloat u8s8 (2048^3) | "
+                     f"{b['int8_gemm_rate_ort'] / 1e9:.0f} GOP/s |")
+        for k in self.w8a8_manifests:
+            if self.bound_compute_w8a8(k) and k in self.r:
+                planes = self.w8a8_manifests[k]["build"].get("activation_planes") or 2
+                L.append(f"| compute bound, w8a8 engine with {planes} activation plane{'s' if planes > 1 else ''} "
+                         f"(int8 linears at that rate, once per plane; float32 lm_head) | "
+                         f"{self.bound_compute_w8a8(k):,.0f} tokens/s |")
         for k in ("ours-fp32", "ours-int4", "ours-int4-acc4"):
             if self.bytes.get(k) and k in self.r:
                 what = {"ours-int4": " (as the QuantizedLinear kernel streams them)",
@@ -215,9 +254,13 @@ class Report:
             L.append(f"| median | {cells(self.paired_medians())} |")
         offline = ["", "### Offline throughput (64 requests, greedy, every request runs to its max_tokens)", "",
                    "| system | workload | output tokens/s | total tokens/s | wall (s) |", "|---|---|---:|---:|---:|"]
-        rows = [("ours-fp32", "random"), ("ours-fp32-kv16", "random"), ("ours-int4", "random"), ("hf", "random"), ("genai-fp32", "random_sequential"),
+        rows = [("ours-fp32", "random"), ("ours-fp32-kv16", "random"), ("ours-int4", "random"), ("ours-w8a8", "random"),
+                ("ours-w8a8-1plane", "random"),
+                ("hf", "random"), ("genai-fp32", "random_sequential"),
                 ("genai-int4", "random_sequential"), ("llamacpp", "random_sequential"),
-                ("ours-fp32", "equal"), ("ours-fp32-kv16", "equal"), ("ours-int4", "equal"), ("hf", "equal")]
+                ("ours-fp32", "equal"), ("ours-fp32-kv16", "equal"), ("ours-int4", "equal"), ("ours-w8a8", "equal"),
+                ("ours-w8a8-1plane", "equal"),
+                ("hf", "equal")]
         labels = {"random": "random lengths (16-512 in, 16-256 out, seeded)", "equal": "128 in / 128 out",
                   "random_sequential": f"random lengths, one at a time ({self.spec['genai_requests']} requests)"}
         for k, w in rows:
@@ -231,7 +274,7 @@ class Report:
         sweep = ["", "### Concurrency sweep (128 in / 64 out; 2 x concurrency requests, at least 4)", "",
                  "| system | concurrency | output tokens/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |",
                  "|---|---:|---:|---:|---:|"]
-        for k in ("ours-fp32", "ours-fp32-kv16", "ours-int4"):
+        for k in OURS_SWEPT:
             for s in self.get(k, "sweep") or []:
                 t, p = s["ttft_ms"], s["tpot_ms"]
                 sweep.append(f"| {NAMES[k]} | {s['concurrency']} | {_fmt(s['output_tokens_per_s'])} | "
@@ -278,7 +321,7 @@ class Report:
 
     def has_sweep(self) -> bool:
         """Whether any engine ran the concurrency sweep (the plot's data; not with --quick)."""
-        return any(self.get(k, "sweep") for k in ("ours-fp32", "ours-fp32-kv16", "ours-int4"))
+        return any(self.get(k, "sweep") for k in OURS_SWEPT)
 
     def plot(self, path: str) -> None:
         import matplotlib
@@ -287,7 +330,7 @@ class Report:
         import matplotlib.pyplot as plt
 
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        for k in ("ours-fp32", "ours-fp32-kv16", "ours-int4"):
+        for k in OURS_SWEPT:
             sweep = self.get(k, "sweep") or []
             if not sweep:
                 continue
