@@ -17,14 +17,25 @@ graphs used before). Only the ONNX Runtime graphs use them (``export_onnx``'s ``
     gate_up [T, 2 I] float32 (gate columns first) -> silu(gate) * up  [T, I]
     (SwiGLU, Shazeer 2020; vLLM's ``silu_and_mul``)
 
-``trtllm_lite::QuantizeRows``, a W8A8 linear's input quantized per token (row)::
+``trtllm_lite::QuantizeRows`` (attribute ``planes``, 1 or 2), a w8a8 linear's input quantized
+per token (row)::
 
-    x [T, K] float32 -> q [T, K] uint8, scale [T, 1] float32
-    scale = max(max |x[t]| * (1 / 127), 1e-30 / 127), q = rint(x * (1 / scale)) + 128
-    (SmoothQuant's per-token dynamic quantization, Xiao et al. 2023; vLLM's scaled_int8_quant)
+    x [T, K] float32 -> q [planes T, K] uint8, scale [planes T, 1] float32
+    s = max(max |x[t]| * (1 / 127), 1e-30 / 127), v = x * (1 / s)
+    plane 0 (rows 0..T-1):  q = rint(v) + 128,                  scale s
+    plane 1 (rows T..2T-1): q = rint((v - rint(v)) * 254) + 128, scale s / 254
+    (round half to even, zero point 128; SmoothQuant's per-token dynamic quantization, Xiao
+    et al. 2023, vLLM's scaled_int8_quant; the second plane carries the first's rounding error)
 
-  Body: ``ReduceMax(Abs(x))``, ``Max(top * (1 / 127), tiny)``,
-  ``QuantizeLinear(x * Reciprocal(scale), 1, 128)``.
+  Body: ``ReduceMax(Abs(x))``, ``Max(top * (1 / 127), tiny)``, ``QuantizeLinear`` of ``v``
+  and of ``(v - Round(v)) * 254``, both planes concatenated, the first ``planes`` kept.
+
+``trtllm_lite::DequantizeRows`` (attribute ``planes``), the integer GEMM's output back::
+
+    y [planes T, N], scale [planes T, 1], bias [N] float32
+      -> sum over planes p of y[p T + t] * scale[p T + t], + bias   [T, N] float32
+
+  Body: ``Mul``, ``Reshape`` to ``[planes, T, N]``, ``ReduceSum`` over planes, ``Add``.
 
 ``trtllm_lite::AddBlockOffsets`` (attribute ``block_size``), a block-quantized weight's float
 offsets (GGUF Q4_1's block mins, :mod:`builder.quantize`) added to MatMulNBits' output::

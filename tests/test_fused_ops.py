@@ -222,10 +222,10 @@ def quantize_rows_reference(x, planes=1):
 
 
 @pytest.mark.parametrize("planes", [1, 2])
-@pytest.mark.parametrize("tokens,width", [(1, 576), (64, 576), (3, 1536), (5, 37), (301, 960), (2, 15)])
+@pytest.mark.parametrize("tokens,width", [(3, 37), (64, 576), (301, 960)])
 def test_quantize_rows_matches_reference(op_library, tokens, width, planes):
-    """Codes and scales bit for bit against numpy (vector widths and the scalar tail, the thread
-    pool at 301 x 960), with an all-zero row, exact ties (half to even), a row whose largest value
+    """Codes and scales bit for bit against numpy (the scalar tail at width 37, vector widths,
+    the thread pool at 301 x 960), with an all-zero row, exact ties (half to even), a row whose largest value
     is negative, and values far apart in size; dequantized, each value within half a step of
     the last plane (1 / 127 of the row's largest value; 1 / 32,258 with two planes)."""
     from builder.fused_ops import QUANTIZE_ROWS_OP_TYPE
@@ -267,7 +267,7 @@ def dequantize_rows_session(library=None, planes=1):
 
 
 @pytest.mark.parametrize("planes", [1, 2])
-@pytest.mark.parametrize("tokens,n", [(1, 960), (64, 3072), (5, 37), (301, 576)])
+@pytest.mark.parametrize("tokens,n", [(5, 37), (301, 576)])
 def test_dequantize_rows_matches_reference(op_library, tokens, n, planes):
     """sum over planes of y * scale, + bias, against float64 numpy (within float32 rounding of
     the terms: the planes may cancel)."""

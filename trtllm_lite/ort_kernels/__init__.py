@@ -4,10 +4,10 @@ ONNX Runtime custom operators in the ``trtllm_lite`` domain (``register.cc`` add
 
 * ``PagedAttention`` (``paged_attention.cc``): the attention op (``builder/paged_attention.py``),
   read straight from the paged KV pool, for every step's shape (decodes, prompts, mixed);
-* ``RotarySplitQKV``, ``SiluAndMul`` and ``QuantizeRows`` (``elementwise.cc``): the fused QKV
-  projection's output to rotated q, k and v, the fused gate/up projection's output to
-  ``silu(gate) * up``, and a W8A8 linear's input to uint8 codes and a scale per token
-  (``builder/fused_ops.py``);
+* ``RotarySplitQKV``, ``SiluAndMul``, ``QuantizeRows`` and ``DequantizeRows``
+  (``elementwise.cc``): the fused QKV projection's output to rotated q, k and v, the fused
+  gate/up projection's output to ``silu(gate) * up``, a w8a8 linear's input to uint8 planes
+  and scales per token, and its integer GEMM's planes back to float32 (``builder/fused_ops.py``);
 * ``AddBlockOffsets`` (``block_offsets.cc``): a block-quantized weight's float offsets (GGUF
   Q4_1's block mins) added to MatMulNBits' output (``builder/fused_ops.py``);
 * ``QuantizedLinear`` / ``QuantizedLinearWithOffsets`` / ``QuantizedLinearSplit8``

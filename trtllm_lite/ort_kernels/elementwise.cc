@@ -1,4 +1,4 @@
-// Three fused elementwise ops around the attention, MLP and integer GEMMs, each replacing a chain of
+// Fused elementwise ops around the attention, MLP and integer GEMMs, each replacing a chain of
 // small ONNX Runtime nodes (and the copies between them) with one pass over the data:
 //
 // trtllm_lite::RotarySplitQKV   the fused QKV projection's output -> rotated q, rotated k, v
@@ -13,12 +13,18 @@
 //   input    gate_up [T, 2 I] float32 (gate columns first); output [T, I] = silu(gate) * up,
 //   silu(x) = x / (1 + e^-x) (Shazeer 2020, "GLU variants improve Transformer"; vLLM's silu_and_mul)
 //
-// trtllm_lite::QuantizeRows   a W8A8 linear's input -> its int8 codes per token (row)
-//   input    x [T, K] float32; outputs q [T, K] uint8, scale [T, 1] float32
-//   scale[t] = max(max_k |x[t, k]| * (1 / 127), 1e-30 / 127), q = rint(x * (1 / scale[t])) + 128
-//   (round half to even and zero point 128, as QuantizeLinear; codes in [1, 255]): the
-//   per-token dynamic activation quantization of SmoothQuant (Xiao et al. 2023) and vLLM's
-//   scaled_int8_quant, shifted to uint8 for ONNX Runtime's u8s8 integer GEMM.
+// trtllm_lite::QuantizeRows   a w8a8 linear's input -> its int8 codes per token (row), in planes
+//   input    x [T, K] float32; attr planes (1 or 2)
+//   outputs  q [planes T, K] uint8, scale [planes T, 1] float32
+//   s = max(max_k |x[t, k]| * (1 / 127), 1e-30 / 127), v = x * (1 / s); plane 0: rint(v) + 128,
+//   scale s; plane 1: rint((v - rint(v)) * 254) + 128, scale s / 254 (round half to even and
+//   zero point 128, as QuantizeLinear): the per-token dynamic activation quantization of
+//   SmoothQuant (Xiao et al. 2023) and vLLM's scaled_int8_quant, shifted to uint8 for ONNX
+//   Runtime's u8s8 integer GEMM; the second plane carries the first's rounding error.
+//
+// trtllm_lite::DequantizeRows   the integer GEMM's planes -> float32
+//   inputs   y [planes T, N], scale [planes T, 1], bias [N] float32; attr planes
+//   output   [T, N] = sum over planes of y * scale, + bias
 #include "kernel_common.h"
 
 namespace trtllm_lite_kernels {
@@ -289,17 +295,18 @@ void dequantize_rows(void* user, size_t item) {
   const int64_t end = std::min(st.tokens, static_cast<int64_t>(item + 1) * kRowsPerItem);
   for (int64_t t = static_cast<int64_t>(item) * kRowsPerItem; t < end; ++t) {
     const float* y0 = st.y + t * n;
+    const float* bias = st.bias;
     const float s0 = st.scale[t];
     float* out = st.out + t * n;
     if (st.planes == 1) {
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) out[i] = y0[i] * s0 + (st.bias ? st.bias[i] : 0.0f);
+      for (int64_t i = 0; i < n; ++i) out[i] = y0[i] * s0 + bias[i];
       continue;
     }
     const float* y1 = st.y + (st.tokens + t) * n;
     const float s1 = st.scale[st.tokens + t];
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = y0[i] * s0 + y1[i] * s1 + (st.bias ? st.bias[i] : 0.0f);
+    for (int64_t i = 0; i < n; ++i) out[i] = y0[i] * s0 + (y1[i] * s1 + bias[i]);
   }
 }
 
@@ -313,11 +320,10 @@ OrtStatus* DequantizeRowsKernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(read_input(context, 0, &y));
   RETURN_IF_ERROR(read_input(context, 1, &scale));
   RETURN_IF_ERROR(read_input(context, 2, &bias));
-  const OrtValue* bias_value = bias.value;
   if (y.dims.size() != 2 || y.dims[0] % planes || scale.dims.size() != 2 || scale.dims[0] != y.dims[0] ||
-      scale.dims[1] != 1 || (bias_value && (bias.dims.size() != 1 || bias.dims[0] != y.dims[1])))
+      scale.dims[1] != 1 || bias.dims.size() != 1 || bias.dims[0] != y.dims[1])
     return error(ORT_INVALID_ARGUMENT, "DequantizeRows: y " + dims_string(y.dims) + ", scale " +
-                                           dims_string(scale.dims) + (bias_value ? " and bias " + dims_string(bias.dims) : "") +
+                                           dims_string(scale.dims) + " and bias " + dims_string(bias.dims) +
                                            " are not [" + std::to_string(planes) + " T, N], [" +
                                            std::to_string(planes) + " T, 1] and [N]");
   DequantizeRowsStep st{};
@@ -326,7 +332,7 @@ OrtStatus* DequantizeRowsKernel::compute(OrtKernelContext* context) {
   st.width = y.dims[1];
   RETURN_IF_ERROR(data_of(y.value, &st.y));
   RETURN_IF_ERROR(data_of(scale.value, &st.scale));
-  if (bias_value) RETURN_IF_ERROR(data_of(bias.value, &st.bias));
+  RETURN_IF_ERROR(data_of(bias.value, &st.bias));
   RETURN_IF_ERROR(new_output(context, 0, {st.tokens, st.width}, &st.out));
   if (st.tokens == 0) return nullptr;
   return parallel_for(context, dequantize_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem),
