@@ -390,7 +390,15 @@ def dequantized_hf(hf, hf_dir, quantization, block_size, symmetric):
 
     loaded = load_model(hf_dir)
     quantized = quantize_model(loaded, quantization, block_size, symmetric)
-    c, model = loaded.config, copy.deepcopy(hf)
+    model = copy.deepcopy(hf)
+    set_linear_weights(model, quantized, loaded.config, np.float32)
+    return model.eval()
+
+
+def set_linear_weights(model, quantized, config, dtype, pre_hook=None):
+    """Put each layer's quantized linear weights, dequantized to ``dtype``, into the HF
+    ``model`` (the fused qkv and gate_up split back), with ``pre_hook`` on each linear."""
+    c = config
     for i, layer in enumerate(model.model.layers):
         qkv = quantized[f"layers.{i}.qkv.weight"].dequantize()
         q, k, v = np.split(qkv, [c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim])
@@ -399,8 +407,9 @@ def dequantized_hf(hf, hf_dir, quantization, block_size, symmetric):
                              (layer.self_attn.v_proj, v), (layer.mlp.gate_proj, gate), (layer.mlp.up_proj, up),
                              (layer.self_attn.o_proj, quantized[f"layers.{i}.o.weight"].dequantize()),
                              (layer.mlp.down_proj, quantized[f"layers.{i}.down.weight"].dequantize())):
-            param.weight.data = torch.from_numpy(value.copy())
-    return model.eval()
+            param.weight.data = torch.from_numpy(value.astype(dtype))
+            if pre_hook:
+                param.register_forward_pre_hook(pre_hook)
 
 
 @pytest.mark.parametrize("kind,quantization,block_size,symmetric", [
@@ -462,16 +471,7 @@ def w8a8_reference_logits(hf, hf_dir, prompt, quantize_lm_head=False, planes=2):
         rounded = ((q.astype(np.float64) - 128) * scale).reshape(planes, *x.shape).sum(axis=0)
         return (torch.from_numpy(rounded)[None],)
 
-    for i, layer in enumerate(model.model.layers):
-        qkv = quantized[f"layers.{i}.qkv.weight"].dequantize()
-        q, k, v = np.split(qkv, [c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim])
-        gate, up = np.split(quantized[f"layers.{i}.gate_up.weight"].dequantize(), 2)
-        for param, value in ((layer.self_attn.q_proj, q), (layer.self_attn.k_proj, k),
-                             (layer.self_attn.v_proj, v), (layer.mlp.gate_proj, gate), (layer.mlp.up_proj, up),
-                             (layer.self_attn.o_proj, quantized[f"layers.{i}.o.weight"].dequantize()),
-                             (layer.mlp.down_proj, quantized[f"layers.{i}.down.weight"].dequantize())):
-            param.weight.data = torch.from_numpy(value.astype(np.float64))
-            param.register_forward_pre_hook(round_rows)
+    set_linear_weights(model, quantized, c, np.float64, round_rows)
     if quantize_lm_head:   # (untied: the embedding keeps its float table, as the engine's Gather does)
         head = quantized["embed.weight" if c.tie_word_embeddings else "lm_head.weight"].dequantize()
         model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(head.astype(np.float64)))

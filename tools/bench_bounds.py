@@ -63,7 +63,6 @@ def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
 def ort_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: int = 5) -> float:
     """fp32 GEMM rate (FLOP/s) of ONNX Runtime's own kernel (MLAS, prepacked B) on
     ``n x n x n``, best of ``repeats``: what the engine's GEMMs can reach."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     w = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
@@ -72,17 +71,24 @@ def ort_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: int = 
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, n])],
                               [numpy_helper.from_array(w, "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    return 2 * n ** 3 / _best_run_seconds(model, {"a": w}, num_threads, repeats)
+
+
+def _best_run_seconds(model, feed: dict, num_threads: int | None, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` runs of a one-node ONNX Runtime ``model`` (after
+    one warm-up run), on ``num_threads`` threads (default all cores)."""
+    import onnxruntime as ort
+
     so = ort.SessionOptions()
     so.intra_op_num_threads = num_threads or os.cpu_count() or 1
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    feed = {"a": w}
     sess.run(None, feed)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         sess.run(None, feed)
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return best
 
 
 def ort_int8_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: int = 5) -> float:
@@ -90,7 +96,6 @@ def ort_int8_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: i
     ``MatMulIntegerToFloat`` with uint8 A and int8 B (MLAS's u8s8 kernel, prepacked B: AMX or
     VNNI where the CPU has them) on ``n x n x n``, best of ``repeats``: what a W8A8 engine's
     GEMMs can reach."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -104,17 +109,7 @@ def ort_int8_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: i
     graph = helper.make_graph([node], "int8_gemm", [helper.make_tensor_value_info("a", TensorProto.UINT8, [n, n])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = num_threads or os.cpu_count() or 1
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    feed = {"a": a}
-    sess.run(None, feed)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        sess.run(None, feed)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / _best_run_seconds(model, {"a": a}, num_threads, repeats)
 
 
 def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
