@@ -76,7 +76,7 @@ class BuildConfig:
                              f"{' or '.join(DTYPES[self.backend])}")
         if self.backend in KV_WRITE and self.quantization != "none":
             raise ValueError(f"--quantization {self.quantization!r}: the {self.backend} backend "
-                             "builds unquantized weights (MatMulNBits is ONNX Runtime's op)")
+                             "builds unquantized weights (MatMulNBits and MatMulIntegerToFloat are ONNX Runtime's ops)")
         if self.backend in KV_WRITE:
             import_tensorrt(self.backend)  # fail before exporting when the package is missing
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -99,6 +99,9 @@ class BuildConfig:
             self.activation_planes = 2
         if self.quantization == W8A8 and self.activation_planes not in (1, 2):
             raise ValueError(f"--activation-planes must be 1 or 2, got {self.activation_planes}")
+        if self.quantization == W8A8 and (self.quant_block_size != 32 or not self.quant_symmetric):
+            raise ValueError("--quant-block-size / --quant-asymmetric: w8a8 weights take one symmetric "
+                             "scale per output channel, no blocks")
         if self.quantization == W8A8 and self.accuracy_level not in (None, 0):
             raise ValueError(f"--accuracy-level {self.accuracy_level}: it sets MatMulNBits' precision "
                              "(--quantization int8 / int4); w8a8 always takes int8 activations")

@@ -377,6 +377,8 @@ def test_build_options_are_validated():
                       (dict(quantization="w8a8", accuracy_level=4), "--accuracy-level 4: .* w8a8 always takes int8"),
                       (dict(quantization="w8a8", activation_planes=3), "--activation-planes must be 1 or 2, got 3"),
                       (dict(quantization="int4", activation_planes=1), "--activation-planes 1: only --quantization w8a8"),
+                      (dict(quantization="w8a8", quant_block_size=64), "--quant-block-size / --quant-asymmetric: w8a8"),
+                      (dict(quantization="w8a8", quant_symmetric=False), "--quant-block-size / --quant-asymmetric: w8a8"),
                       (dict(max_num_seqs=64, max_num_batched_tokens=32), r"--max-num-batched-tokens \(32\) must be >= --max-num-seqs \(64\)")):
         with pytest.raises(ValueError, match=name):
             BuildConfig(**bad).validate(4096)
