@@ -33,8 +33,9 @@ class BuildConfig:
     Quantization (:mod:`builder.quantize`): ``quantization`` ``none`` / ``int8`` / ``int4``
     (weight-only, MatMulNBits) / ``w8a8`` (int8 weights per channel and activations per
     token, ONNX Runtime's integer GEMM: faster batched steps, changes results;
-    ``activation_planes`` 2 (default: ~15-bit activations, only the weights' rounding
-    changes results) or 1 (classic W8A8: faster, changes them more)); ``quant_block_size`` weights per scale; ``quant_symmetric`` (else an integer
+    ``activation_planes`` 2, the default: ~15-bit activations, only the weights' rounding
+    changes results; or 1, classic W8A8: faster, changes them more); ``quant_block_size``
+    weights per scale (not w8a8); ``quant_symmetric`` (else an integer
     zero point per block); ``quantize_lm_head`` (``None``: only when the GGUF stores the
     lm_head / tied embedding quantized, mapped exactly; ``False``: float32; ``True``:
     always); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations,
