@@ -274,13 +274,18 @@ def main(argv=None) -> int:
     load1 = os.getloadavg()
     log(f"load average after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     command = " ".join(["python tools/bench.py"] + [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
-    report = bench_report.Report(results, bounds, manifests, spec, notes, load0, load1, machine(), command)
+    report = bench_report.Report(results, bounds, manifests, spec, notes, load0, load1, machine(skip), command)
     report.write(args.docs)
     print(report.markdown())
     return 0
 
 
-def machine() -> dict:
+PEER_PACKAGES = {"genai": ("onnxruntime-genai",), "llamacpp": ("llama-cpp-python",)}   # (torch, transformers: the builder)
+
+
+def machine(skip: set | frozenset = frozenset()) -> dict:
+    """The CPU, memory, Python, and the versions of the packages the run used (a skipped
+    peer's packages left out)."""
     import importlib.metadata as md
 
     cpu = "?"
@@ -290,7 +295,10 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     versions = {}
+    unused = {pkg for peer in skip for pkg in PEER_PACKAGES.get(peer, ())}
     for pkg in ("onnxruntime", "onnxruntime-genai", "torch", "transformers", "numpy", "llama-cpp-python"):
+        if pkg in unused:
+            continue
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
