@@ -25,7 +25,8 @@ per token (row)::
     plane 0 (rows 0..T-1):  q = rint(v) + 128,                  scale s
     plane 1 (rows T..2T-1): q = rint((v - rint(v)) * 254) + 128, scale s / 254
     (round half to even, zero point 128; SmoothQuant's per-token dynamic quantization, Xiao
-    et al. 2023, vLLM's scaled_int8_quant; the second plane carries the first's rounding error)
+    et al. 2023, vLLM's scaled_int8_quant; the second plane carries the first's rounding error;
+    a row holding a NaN or an infinity gets scale NaN, so its output row is NaN)
 
   Body: ``ReduceMax(Abs(x))``, ``Max(top * (1 / 127), tiny)``, ``QuantizeLinear`` of ``v``
   and of ``(v - Round(v)) * 254``, both planes concatenated, the first ``planes`` kept.
@@ -138,6 +139,8 @@ def make_quantize_rows_function(opset: int | None = None):
     w = NodeWriter("qr_")
     top = w.op("ReduceMax", w.op("Abs", "x"), w.const([-1]), keepdims=1)                 # [T, 1]
     s = w.op("Max", w.op("Mul", top, w.const(1 / 127, np.float32)), w.const(1e-30 / 127, np.float32))
+    # + sum(x * 0): 0 for a finite row, NaN for one holding a NaN or an infinity (scale NaN, as the kernel)
+    s = w.op("Add", s, w.op("ReduceSum", w.op("Mul", "x", w.const(0.0, np.float32)), w.const([-1]), keepdims=1))
     v = w.op("Mul", "x", w.op("Reciprocal", s))
     one, zero_point = w.const(1.0, np.float32), w.const(128, np.uint8)
     q1 = w.op("QuantizeLinear", v, one, zero_point)

@@ -249,6 +249,26 @@ def test_quantize_rows_matches_reference(op_library, tokens, width, planes):
     assert (np.abs(got - x) <= 0.5 * step * (1 + 1e-6) + 3e-7 * np.abs(x)).all()   # (+ v's float32 rounding)
 
 
+@pytest.mark.parametrize("planes", [1, 2])
+def test_quantize_rows_non_finite_rows_come_out_nan(op_library, planes):
+    """A row holding a NaN or an infinity (in the vector part or the scalar tail) gets scale
+    NaN in every plane, so DequantizeRows makes its output row NaN, as float32 would; the
+    other rows keep their exact codes and scales."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((5, 37)).astype(np.float32)
+    x[1, 3], x[2, 20], x[3, 36] = np.nan, np.inf, -np.inf
+    q, scale = quantize_rows_session(op_library, planes=planes).run(None, {"x": x})
+    scale = scale.reshape(planes, 5)
+    assert np.isnan(scale[:, 1:4]).all() and np.isfinite(scale[:, [0, 4]]).all()
+    want_q, want_scale = quantize_rows_reference(x[[0, 4]], planes)
+    np.testing.assert_array_equal(scale[:, [0, 4]].reshape(-1, 1), want_scale)
+    np.testing.assert_array_equal(q.reshape(planes, 5, 37)[:, [0, 4]].reshape(-1, 37), want_q)
+    y = rng.standard_normal((planes * 5, 8)).astype(np.float32)
+    (out,) = dequantize_rows_session(op_library, planes).run(
+        None, {"y": y, "scale": scale.reshape(-1, 1), "bias": np.zeros(8, np.float32)})
+    assert np.isnan(out[1:4]).all() and np.isfinite(out[[0, 4]]).all()
+
+
 def test_quantize_rows_rejects_a_vector_and_a_plane_count(kernel_library):
     sess = quantize_rows_session(kernel_library, shape=None)
     with pytest.raises(Exception, match=r"QuantizeRows: x \[7\] is not \[T, K\]"):

@@ -20,7 +20,9 @@
 //   scale s; plane 1: rint((v - rint(v)) * 254) + 128, scale s / 254 (round half to even and
 //   zero point 128, as QuantizeLinear): the per-token dynamic activation quantization of
 //   SmoothQuant (Xiao et al. 2023) and vLLM's scaled_int8_quant, shifted to uint8 for ONNX
-//   Runtime's u8s8 integer GEMM; the second plane carries the first's rounding error.
+//   Runtime's u8s8 integer GEMM; the second plane carries the first's rounding error. A row
+//   holding a NaN or an infinity gets scale NaN (its codes are meaningless), so DequantizeRows
+//   gives a NaN row, as float32 arithmetic would give a non-finite one.
 //
 // trtllm_lite::DequantizeRows   the integer GEMM's planes -> float32
 //   inputs   y [planes T, N], scale [planes T, 1], bias [N] float32; attr planes
@@ -207,14 +209,24 @@ void quantize_rows(void* user, size_t item) {
     const float* x = st.x + t * k;
     uint8_t* q = st.q + t * k;
     float top = 0.0f;
+    bool finite = true;   // a NaN or infinity makes the row's scale NaN: the output row is NaN, as in float32
     int64_t i = 0;
 #ifdef __AVX512F__
     __m512 top16 = _mm512_setzero_ps();
-    for (; i + 16 <= k; i += 16) top16 = _mm512_max_ps(top16, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    __mmask16 bad = 0;
+    for (; i + 16 <= k; i += 16) {
+      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+      bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);   // inf or NaN
+      top16 = _mm512_max_ps(top16, a);
+    }
     top = _mm512_reduce_max_ps(top16);
+    finite = bad == 0;
 #endif
-    for (; i < k; ++i) top = std::max(top, std::fabs(x[i]));
-    const float s = std::max(top * (1.0f / 127.0f), 1e-30f / 127.0f);
+    for (; i < k; ++i) {
+      finite = finite && std::isfinite(x[i]);
+      top = std::max(top, std::fabs(x[i]));
+    }
+    const float s = finite ? std::max(top * (1.0f / 127.0f), 1e-30f / 127.0f) : NAN;
     const float inv = 1.0f / s;
     st.scale[t] = s;
     uint8_t* q2 = st.planes == 2 ? st.q + (st.tokens + t) * k : nullptr;
