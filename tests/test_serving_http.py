@@ -717,6 +717,16 @@ def test_prompt_longer_than_any_max_seq_len_tokens_is_refused_untokenized(server
     assert error["param"] == ("prompt" if route == "completions" else "messages")
 
 
+def test_chat_prompt_longer_than_max_seq_len_names_messages(server):
+    """A chat request whose templated prompt, once tokenized, passes max_seq_len names
+    ``messages`` (its field), not ``prompt``, which a chat request has none of (QA 27)."""
+    r = httpx.post(f"http://{server.http}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "hello world " * 1500}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert re.search(r"prompt has \d+ tokens, more than max_seq_len", error["message"]) and error["param"] == "messages"
+
+
 def test_tokenize_of_text_longer_than_any_max_seq_len_tokens_is_refused_untokenized(server):
     """/tokenize bounds text like a prompt: 10 MiB is refused by its length in characters (it
     was tokenized on the event loop both servers share: ~25 s for 13 MB, every stream stalled;

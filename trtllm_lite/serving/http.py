@@ -82,8 +82,10 @@ _EMPTY_BODY = "the body is empty: send a JSON object of the request's fields"
 CLIENT_CLOSED_REQUEST = 499
 
 
-def error_response(e: BaseException) -> JSONResponse:
-    """The OpenAI error object and HTTP status of an exception raised serving a request."""
+def error_response(e: BaseException, prompt_field: str = "prompt") -> JSONResponse:
+    """The OpenAI error object and HTTP status of an exception raised serving a request;
+    ``prompt_field``: the request field a "prompt ..." error names (a chat request's is
+    ``messages``)."""
     status = 404 if isinstance(e, NotFound) else CLIENT_CLOSED_REQUEST if isinstance(e, ClientDisconnected) \
         else classify(e).http
     message = str(e) or type(e).__name__
@@ -91,6 +93,7 @@ def error_response(e: BaseException) -> JSONResponse:
     # a bad parameter's message starts with its name; others ("the engine is shutting down")
     # name none (a 503's param was "the")
     param = first if status == 400 and first.isidentifier() and first.islower() else None
+    param = prompt_field if param == "prompt" else param
     return JSONResponse(oa.error_body(status, message, param), status_code=status)
 
 
@@ -430,12 +433,13 @@ class OpenAIServer:
         # ~1.5 s (QA D: up to 6.2 s); a JSONResponse skips FastAPI's jsonable_encoder (~half of it)
         return await asyncio.to_thread(lambda: JSONResponse(fmt.whole(accs)))
 
-    def _rejected(self, e: BaseException) -> JSONResponse:
+    def _rejected(self, e: BaseException, prompt_field: str = "prompt") -> JSONResponse:
         """A generation request refused before it reached the engine (its model, prompt or
-        parameters): counted in the request outcomes as gRPC's are, then the HTTP error."""
+        parameters): counted in the request outcomes as gRPC's are, then the HTTP error
+        (:func:`error_response`)."""
         self.service.metrics.record_failed("invalid_argument" if isinstance(e, NotFound)
                                            else classify(e).name.lower())
-        return error_response(e)
+        return error_response(e, prompt_field)
 
     async def completions(self, body: oa.CompletionRequest, request: Request):
         with ExitStack() as held:   # admitted: a drain waits for it while its text is tokenized
@@ -487,13 +491,13 @@ class OpenAIServer:
                     engine.scheduler.check_room(len(ids), body.max_completion_tokens, "max_completion_tokens")
                 params = self.service.sampling_params(values)
             except Exception as e:  # noqa: BLE001
-                return self._rejected(e)
+                return self._rejected(e, "messages")
             try:
                 return await self._run(request, body, [ids], [params], "chat", None, admission, ignored)
             except Exception as e:  # noqa: BLE001
                 if served(e):   # it ran, then timed out, failed or lost its client: say what was ignored
                     self._log_ignored(ignored)
-                return error_response(e)
+                return error_response(e, "messages")
 
 
 class ResponseFormat:
