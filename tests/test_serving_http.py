@@ -919,7 +919,7 @@ def test_grpc_and_http_share_one_engine(server, grpc_client, smollm2_llm):
 def test_pool_smaller_than_max_seq_len_limits_max_model_len(smollm2_engine):
     """8 blocks of 16 tokens < max_seq_len 1024: /v1/models says 128 and a chat request without
     max_tokens gets the room left in the pool (it was a 400 about max_tokens, never sent), and
-    one whose prompt alone fills the pool is a 400 naming the prompt (it named max_tokens)."""
+    one whose prompt alone fills the pool is a 400 naming its messages (it named max_tokens)."""
     args = [a for a in ENGINE_ARGS if a != "512"]
     args[args.index("--num-kv-blocks") + 1:args.index("--num-kv-blocks") + 1] = ["8"]
     with ServerProcess(smollm2_engine, *args) as s:
@@ -933,7 +933,7 @@ def test_pool_smaller_than_max_seq_len_limits_max_model_len(smollm2_engine):
         assert "whole pool holds (8 x 16 tokens)" in r.json()["error"]["message"]   # the limit that binds
         long = [{"role": "user", "content": "hello " * 150}]          # ~150 tokens, no max_tokens sent
         r = httpx.post(f"http://{s.http}/v1/chat/completions", json={"model": "smollm2", "messages": long}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text   # its field (QA 27)
         assert "leaves no room for output: the whole pool holds 128 tokens" in r.json()["error"]["message"]
         assert s.stop() == 0
 
