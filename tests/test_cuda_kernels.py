@@ -155,7 +155,7 @@ def backend(request):
     else:
         tlcuda.use_library(request.getfixturevalue("emulated_cuda_library"))
         assert tlcuda.build_info() == "CPU emulation"
-        yield Backend("emulation", max_context=1100)
+        yield Backend("emulation", max_context=600)
     tlcuda.use_library(None)
 
 

@@ -5,8 +5,8 @@
 
 Runs ``--batch`` requests of ``--prompt-len`` random tokens closed-loop for ``--decode-tokens``
 tokens with ONNX Runtime's profiler on, then prints, over the decode steps only (every
-sequence computing one token), the median step time and the kernel time per operator type
-per step. The profiler adds its own per-node cost, so absolute times read high: compare
+sequence computing one token; ``--phase prefill``: the steps where every sequence computes
+prompt tokens), the median step time and the kernel time per operator type per step. The profiler adds its own per-node cost, so absolute times read high: compare
 operator types within a run, and take step times from ``tools/bench.py``.
 """
 from __future__ import annotations
@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--top", type=int, default=15, help="operator types shown")
     p.add_argument("--nodes", type=int, default=0, help="also show this many slowest nodes")
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                   help="profile the decode-only steps or the prefill-only steps")
     args = p.parse_args(argv)
 
     import trtllm_lite.runners.onnxruntime_runner as ort_runner
@@ -51,10 +53,11 @@ def main(argv=None) -> int:
     engine = LLMEngine(args.engine, num_threads=args.num_threads, verify_checksums=False,
                        enable_prefix_caching=False)
     runner = engine.runner
-    decode_runs, plain_call = [], runner._call
+    phase_runs, plain_call = [], runner._call
 
-    def call(seqs):       # remember which graph runs were decode-only
-        decode_runs.append(all(s.num_new_tokens == 1 for s in seqs))
+    def call(seqs):       # remember which graph runs were decode-only or prefill-only
+        decode = args.phase == "decode"
+        phase_runs.append(all((s.num_new_tokens == 1) == decode for s in seqs))
         return plain_call(seqs)
 
     runner._call = call
@@ -65,7 +68,8 @@ def main(argv=None) -> int:
         events = json.load(f)
     os.remove(path)
     runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
-    runs = [r for r, is_decode in zip(runs, decode_runs) if is_decode][1:]     # drop the first
+    runs = [r for r, in_phase in zip(runs, phase_runs) if in_phase]
+    runs = runs[1:] if args.phase == "decode" else runs     # drop the first decode step
     nodes = sorted((e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")),
                    key=lambda e: e["ts"])
     per_op, per_node, j = collections.Counter(), collections.Counter(), 0
@@ -81,11 +85,11 @@ def main(argv=None) -> int:
                 per_node[nodes[k]["name"].removesuffix("_kernel_time")] += nodes[k]["dur"]
             k += 1
     if not runs:
-        print("no decode steps profiled")
+        print(f"no {args.phase} steps profiled")
         return 1
     steps = sorted(r["dur"] for r in runs)
     total = sum(per_op.values()) / len(runs)
-    print(f"{args.engine}: batch {args.batch}, {len(runs)} decode steps, median step "
+    print(f"{args.engine}: batch {args.batch}, {len(runs)} {args.phase} steps, median step "
           f"{steps[len(steps) // 2] / 1e3:.2f} ms (profiled), kernels {total / 1e3:.2f} ms/step")
     for op, us in per_op.most_common(args.top):
         print(f"  {op:30s} {us / len(runs) / 1e3:8.2f} ms/step  {us / len(runs) / total:6.1%}")
