@@ -26,11 +26,19 @@ MODEL = "smollm2-135m-instruct"
 
 
 def ensure_engine(path: str, model: str = MODEL, **build_options) -> str:
-    """Build ``model`` into ``path`` unless an engine is already there."""
-    if not os.path.exists(os.path.join(path, "engine.json")):
-        from builder.build import BuildConfig, build_engine
+    """Build ``model`` into ``path`` unless an engine built with these ``build_options``
+    (``BuildConfig`` fields) is already there; one built with other values is rebuilt."""
+    manifest = os.path.join(path, "engine.json")
+    if os.path.exists(manifest):
+        with open(manifest) as f:
+            built = json.load(f).get("build", {})
+        stale = {k: built.get(k) for k, v in build_options.items() if built.get(k) != v}
+        if not stale:
+            return path
+        print(f"{path} was built with {stale}: rebuilding", file=sys.stderr)
+    from builder.build import BuildConfig, build_engine
 
-        build_engine(model, path, BuildConfig(**build_options))
+    build_engine(model, path, BuildConfig(**build_options))
     return path
 
 

@@ -13,8 +13,9 @@ BEGIN, END = "<!-- bench.py:cpu begin -->", "<!-- bench.py:cpu end -->"
 NAMES = {"ours-fp32": "trtllm-lite fp32", "ours-fp32-kv16": "trtllm-lite fp32, float16 KV cache",
          "ours-int4": "trtllm-lite int4 (GGUF Q4_1, accuracy 0)",
          "ours-int4-acc4": "trtllm-lite int4, accuracy_level 4 (int8 activations)",
-         "ours-w8a8": "trtllm-lite w8a8 (int8 weights per channel; activations as two int8 planes per token)",
-         "ours-w8a8-1plane": "trtllm-lite w8a8, one activation plane (classic W8A8)",
+         "ours-w8a8": "trtllm-lite w8a8 (int8 weights per channel, lm_head too; activations as two int8 planes "
+                      "per token; float16 KV cache)",
+         "ours-w8a8-1plane": "trtllm-lite w8a8, one activation plane (classic W8A8; int8 lm_head, float16 KV cache)",
          "hf": "HF transformers fp32", "genai-fp32": "onnxruntime-genai fp32",
          "genai-int4": "onnxruntime-genai int4", "llamacpp": "llama.cpp Q4_1 (llama-cpp-python)"}
 
