@@ -28,6 +28,15 @@ def peak_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def local_gemm_rate(threads: int) -> float:
+    """The float32 GEMM rate now (FLOP/s, 2048^3): the higher of ONNX Runtime's (first, see
+    ``bench.measure_bounds``) and numpy's, as the suite's compute bound takes it."""
+    import bench_bounds
+
+    ort_rate = bench_bounds.ort_gemm_rate(num_threads=threads)
+    return max(ort_rate, bench_bounds.gemm_rate())
+
+
 def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
     from trtllm_lite.commands.bench import greedy_ids, measure_latency, run_requests
     from trtllm_lite.core.llm_engine import LLMEngine, default_max_num_batched_tokens
@@ -51,7 +60,10 @@ def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
         try:
             for name in ("random", "equal"):
                 w = spec[name]
+                before = local_gemm_rate(spec["threads"]) if name == "equal" else None
                 out[name] = run_requests(engine, w["prompts"], w["max_tokens"], len(w["prompts"])).to_dict()
+                if before is not None:   # this VM's speed moves between minutes: a bound of its own
+                    out[name]["gemm_rate_local"] = max(before, local_gemm_rate(spec["threads"]))
         finally:   # the serving budget again, even when a workload raised
             engine.scheduler_config.max_num_batched_tokens = serving_budget
         out["sweep"] = []
