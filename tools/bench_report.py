@@ -229,7 +229,7 @@ class Report:
             if self.bound_compute_w8a8(k) and k in self.r:
                 planes = self.w8a8_manifests[k]["build"].get("activation_planes") or 2
                 L.append(f"| compute bound, w8a8 engine with {planes} activation plane{'s' if planes > 1 else ''} "
-                         f"(int8 linears at that rate, once per plane; a float32 lm_head at float32's) | "
+                         f"(its int8 linears, any int8 lm_head among them, at that rate once per plane; float ones at float32's) | "
                          f"{self.bound_compute_w8a8(k):,.0f} tokens/s |")
         for k in ("ours-fp32", "ours-int4", "ours-int4-acc4"):
             if self.bytes.get(k) and k in self.r:
