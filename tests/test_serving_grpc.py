@@ -411,6 +411,25 @@ def test_client_cli_streams_the_answer(server, smollm2_llm):
     assert out.stdout == ref + "\n"
 
 
+def test_client_cli_exits_1_and_says_so_when_its_request_is_aborted(server, client):
+    """A streamed answer cut short by the server (here an abort by the request's id; a shutdown
+    ends streams the same way) is not a success: exit status 1 and a line on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "trtllm_lite.cli", "client", "--server", server.grpc,
+                             "--prompt", "Write a long essay about the sea.", "--stream", "--max-tokens", "400",
+                             "--request-id", "cli-abort-1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not client.abort("cli-abort-1"):    # False until the server has the request
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the request never arrived"
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, (out, err)
+    assert "aborted the request" in err
+
+
 # -- limits, security, shutdown (tiny engine: only the plumbing matters) ---------------------
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):

@@ -27,9 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
     p.add_argument("--tls-root-cert", default=None, help="PEM certificate to trust (enables TLS)")
     p.add_argument("--stats", action="store_true", help="print usage and timing to stderr")
+    p.add_argument("--request-id", default="", help="the request's id (default: the server picks one); "
+                   "another client can abort it by this id")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Send the request; print its text. Exit status 0 when it finished (any finish reason but
+    ``abort``), 1 on an RPC error or when the server aborted it (a shutdown, an abort by its id):
+    the text printed is then cut short, and stderr says so."""
     from .client import LLMClient
 
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -44,12 +49,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.stream:
             last = None
-            for last in client.generate(prompt, messages=messages, **sampling):
+            for last in client.generate(prompt, messages=messages, request_id=args.request_id, **sampling):
                 for o in last.outputs:
                     sys.stdout.write(o.text)
                 sys.stdout.flush()
         else:
-            last = client.complete(prompt, messages=messages, **sampling)
+            last = client.complete(prompt, messages=messages, request_id=args.request_id, **sampling)
             sys.stdout.write("".join(o.text for o in last.outputs))
         sys.stdout.write("\n")
         if args.stats and last is not None:
@@ -62,4 +67,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         client.close()
+    if last is not None and any(o.finish_reason == "abort" for o in last.outputs):
+        print("trtllm-lite client: the server aborted the request (finish reason abort: it shut down, "
+              "or the request was aborted by its id); the text above is cut short", file=sys.stderr)
+        return 1
     return 0
