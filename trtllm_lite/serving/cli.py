@@ -82,7 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest gRPC message (bytes)")
     g.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run at most")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGTERM / SIGINT")
+                   help="seconds the server takes to stop on SIGTERM / SIGINT (it exits within them): "
+                        "in-flight requests get the grace less up to 2 s kept for the final flush, "
+                        "then the rest are aborted")
     g.add_argument("--stream-queue-size", type=int, default=64,
                    help="deltas held per request before merging (a slow client never blocks the engine)")
     g.add_argument("--log-level", default="INFO", help="logging level")

@@ -53,7 +53,9 @@ class ServerConfig:
         max_waiting_requests: requests waiting to be scheduled at most (RESOURCE_EXHAUSTED beyond).
         max_message_bytes: largest gRPC message received or sent (bytes).
         request_timeout: seconds a request may run at most (None: no limit).
-        shutdown_grace: seconds in-flight requests get to finish on SIGTERM / SIGINT.
+        shutdown_grace: seconds the server takes to stop on SIGTERM / SIGINT, all told:
+            in-flight requests get ``shutdown_grace`` less up to 2 s kept for the final
+            flush to finish, then the rest are aborted.
         engine_options: ``LLMEngine`` keyword arguments (max_num_seqs, num_threads, ...).
     """
 
