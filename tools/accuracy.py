@@ -79,9 +79,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-threads", type=int, default=os.cpu_count())
     args = p.parse_args(argv)
     for engine_dir in [args.reference, *args.engines]:   # before any work: the reference takes a while
-        if not os.path.isfile(os.path.join(engine_dir, "engine.json")):
-            p.error(f"{engine_dir!r} is not an engine directory (no engine.json; build one with "
-                    f"`trtllm-lite build`)")
+        missing = [f for f in ("engine.json", "tokenizer.json") if not os.path.isfile(os.path.join(engine_dir, f))]
+        if missing:
+            p.error(f"{engine_dir!r} is not an engine directory (no {' or '.join(missing)}; build one "
+                    f"with `trtllm-lite build`)")
 
     from bench import CAPITAL, TEST_TEXTS
     from trtllm_lite.tokenizer import Tokenizer
