@@ -66,13 +66,11 @@ def log(msg: str) -> None:
 def measure_bounds(threads: int) -> dict[str, float]:
     """Read bandwidth (bytes/s) and GEMM rates (FLOP/s) measured now. The suite measures them
     before and after the systems and keeps the higher of each: a bound is the best the
-    machine showed (on a shared machine one measurement can land in a busy moment).
-
-    ONNX Runtime's GEMM goes first: after a numpy BLAS call OpenBLAS's threads spin for a
-    while, and an ONNX Runtime GEMM right after ran 15-20% slower on 2 cores (session 25)."""
-    gemm_rate_ort = bench_bounds.ort_gemm_rate(num_threads=threads)
+    machine showed (on a shared machine one measurement can land in a busy moment). The
+    float32 GEMM rates: :func:`bench_bounds.float_gemm_rates` (MLAS first)."""
+    gemm_rate_ort, gemm_rate_numpy = bench_bounds.float_gemm_rates(threads)
     bounds = {"read_bandwidth": max(bench_bounds.read_bandwidth(threads), bench_bounds.gemv_bandwidth()),
-              "gemm_rate_numpy": bench_bounds.gemm_rate(), "gemm_rate_ort": gemm_rate_ort,
+              "gemm_rate_numpy": gemm_rate_numpy, "gemm_rate_ort": gemm_rate_ort,
               "int8_gemm_rate_ort": bench_bounds.ort_int8_gemm_rate(num_threads=threads)}
     bounds["gemm_rate"] = max(bounds["gemm_rate_numpy"], bounds["gemm_rate_ort"])
     return bounds

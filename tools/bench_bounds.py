@@ -60,6 +60,14 @@ def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n ** 3 / best
 
 
+def float_gemm_rates(num_threads: int | None = None) -> tuple[float, float]:
+    """fp32 GEMM rates now (FLOP/s, 2048^3): ONNX Runtime's MLAS, then numpy's BLAS. MLAS
+    goes first: after a numpy BLAS call OpenBLAS's threads spin for a while, and an ONNX
+    Runtime GEMM right after ran 15-20% slower on 2 cores (session 25)."""
+    ort_rate = ort_gemm_rate(num_threads=num_threads)
+    return ort_rate, gemm_rate()
+
+
 def ort_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: int = 5) -> float:
     """fp32 GEMM rate (FLOP/s) of ONNX Runtime's own kernel (MLAS, prepacked B) on
     ``n x n x n``, best of ``repeats``: what the engine's GEMMs can reach."""

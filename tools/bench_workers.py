@@ -29,12 +29,11 @@ def peak_rss_bytes() -> int:
 
 
 def local_gemm_rate(threads: int) -> float:
-    """The float32 GEMM rate now (FLOP/s, 2048^3): the higher of ONNX Runtime's (first, see
-    ``bench.measure_bounds``) and numpy's, as the suite's compute bound takes it."""
+    """The float32 GEMM rate now (FLOP/s): the higher of MLAS's and numpy's
+    (:func:`bench_bounds.float_gemm_rates`), as the suite's compute bound takes it."""
     import bench_bounds
 
-    ort_rate = bench_bounds.ort_gemm_rate(num_threads=threads)
-    return max(ort_rate, bench_bounds.gemm_rate())
+    return max(bench_bounds.float_gemm_rates(threads))
 
 
 def run_ours(spec: dict, engine_path: str, full: bool) -> dict:
