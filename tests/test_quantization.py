@@ -401,6 +401,15 @@ def set_linear_weights(model, quantized, config, dtype, pre_hook=None):
     """Put each layer's quantized linear weights, dequantized to ``dtype``, into the HF
     ``model`` (the fused qkv and gate_up split back), with ``pre_hook`` on each linear."""
     c = config
+    if c.family == "gpt2":   # Conv1D modules hold W^T; q/k/v are one c_attn, as our qkv
+        for i, block in enumerate(model.transformer.h):
+            for module, name in ((block.attn.c_attn, "qkv"), (block.attn.c_proj, "o"),
+                                 (block.mlp.c_fc, "up"), (block.mlp.c_proj, "down")):
+                value = quantized[f"layers.{i}.{name}.weight"].dequantize().T
+                module.weight.data = torch.from_numpy(np.ascontiguousarray(value).astype(dtype))
+                if pre_hook:
+                    module.register_forward_pre_hook(pre_hook)
+        return
     for i, layer in enumerate(model.model.layers):
         qkv = quantized[f"layers.{i}.qkv.weight"].dequantize()
         q, k, v = np.split(qkv, [c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim])
@@ -483,11 +492,13 @@ def w8a8_reference_logits(hf, hf_dir, prompt, quantize_lm_head=False, planes=2):
 
 
 @pytest.mark.parametrize("kind,quantize_lm_head,planes", [("llama-gqa", None, 2), ("qwen2-bias", None, 2),
-                                                        ("llama-gqa", True, 1), ("qwen2-bias", None, 1)])
+                                                        ("llama-gqa", True, 1), ("qwen2-bias", None, 1),
+                                                        ("gpt2", None, 2)])
 def test_tiny_w8a8_engine_matches_its_arithmetic_and_is_batch_invariant(tiny_model, tmp_path, kind,
                                                                         quantize_lm_head, planes):
     """The w8a8 engine's logits against HF computing the same arithmetic (weights dequantized,
-    linear inputs rounded per token), biases included (qwen2); a prompt's logits and greedy
+    linear inputs rounded per token), biases included (qwen2; GPT-2 on every linear, its
+    weights transposed in Conv1D modules); a prompt's logits and greedy
     tokens the same alone and batched with others (per-token scales: no token's rounding
     depends on another's); the tied lm_head stays float32 unless asked."""
     hf, float_engine = tiny_model(kind)
