@@ -16,6 +16,7 @@ from .draft import keep_first_layers
 from .loaders import load_model
 from .paged_attention import with_kv_write_in_op, without_attention_metadata
 from .quantize import QUANTIZATIONS, W8A8, quantize_model
+from .rotation import down_block, rotate_activations
 from .compile_tensorrt import (KV_WRITE, PRECISIONS, ProfileLimits, check_kv_cache_dtype, compile_engine,
                                import_tensorrt)
 
@@ -41,6 +42,11 @@ class BuildConfig:
     always); ``accuracy_level``: MatMulNBits' compute precision (0: float32 activations,
     the default; 4: int8 activations, faster, changes results; the runtime can switch).
 
+    ``rotate_activations`` (:mod:`builder.rotation`, the Llama family, ``none`` or ``w8a8``,
+    onnxruntime backend): the residual stream and the down projections' inputs rotated so that
+    per-token int8 activations lose less; ``None``: on for w8a8 with one activation plane,
+    else off. The tied embedding / lm_head become two tensors.
+
     ``kv_cache_dtype``: the KV pools' element type, ``"float32"`` (default) or ``"float16"``
     (half the bytes per block; K/V rounded to float16 when stored, attention still computed
     in float32; onnxruntime backend only: the TensorRT backends' pools follow ``dtype``).
@@ -60,6 +66,7 @@ class BuildConfig:
     accuracy_level: int | None = None
     kv_cache_dtype: str = "float32"
     activation_planes: int | None = None
+    rotate_activations: bool | None = None
 
     def validate(self, max_positions: int | None = None) -> None:
         """Raise ``ValueError`` naming the first bad option; ``max_positions`` (the model's
@@ -106,6 +113,12 @@ class BuildConfig:
         if self.quantization == W8A8 and self.accuracy_level not in (None, 0):
             raise ValueError(f"--accuracy-level {self.accuracy_level}: it sets MatMulNBits' precision "
                              "(--quantization int8 / int4); w8a8 always takes int8 activations")
+        if self.rotate_activations and (self.quantization not in ("none", W8A8) or self.backend != "onnxruntime"):
+            raise ValueError(f"--rotate-activations: only --quantization none or w8a8 on the onnxruntime backend "
+                             f"(got --quantization {self.quantization}, --backend {self.backend}): it rotates "
+                             "float weights, and the w8a8 activations are what it is for")
+        if self.rotate_activations is None:
+            self.rotate_activations = self.quantization == W8A8 and self.activation_planes == 1
         if self.accuracy_level is None:
             self.accuracy_level = 0
         if self.accuracy_level not in (0, 1, 2, 3, 4):
@@ -150,6 +163,9 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     loaded = load_model(model)
     if bc.draft_layers:
         loaded = keep_first_layers(loaded, bc.draft_layers)
+    if bc.rotate_activations:
+        loaded = rotate_activations(loaded)
+        _log(f"rotated the residual stream and the down projections' inputs (block {down_block(loaded.config.intermediate_size)})")
     cfg = loaded.config
     bc.max_seq_len = min(bc.max_seq_len, cfg.max_position_embeddings)
     bc.validate(cfg.max_position_embeddings)

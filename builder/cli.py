@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-planes", type=int, default=None, choices=[1, 2],
                    help="w8a8: int8 planes per activation: 2 (default, ~15 bits: only the weights' "
                         "rounding changes results) or 1 (classic W8A8: faster batched steps, changes them more)")
+    p.add_argument("--rotate-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="Llama family, w8a8 (or none): rotate the residual stream and the down projections' "
+                        "inputs (QuaRot) so int8 activations lose less (default: on with --activation-planes 1)")
     p.add_argument("--accuracy-level", type=int, default=None, choices=[0, 1, 2, 3, 4],
                    help="MatMulNBits compute precision: 0 float32 activations (default), "
                         "4 int8 activations (faster, changes results)")
@@ -57,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                          quant_block_size=args.quant_block_size,
                          quant_symmetric=not args.quant_asymmetric,
                          quantize_lm_head=args.quantize_lm_head, accuracy_level=args.accuracy_level,
-                         kv_cache_dtype=args.kv_cache_dtype, activation_planes=args.activation_planes)
+                         kv_cache_dtype=args.kv_cache_dtype, activation_planes=args.activation_planes,
+                         rotate_activations=args.rotate_activations)
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise ValueError(f"--output {args.output!r} exists and is not a directory")
     with warnings.catch_warnings():   # the loader's warnings (a capped sliding window) as build lines

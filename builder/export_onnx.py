@@ -32,13 +32,15 @@ from onnx import TensorProto, helper
 
 from .model_config import ModelConfig
 from .onnx_graph import MS_DOMAIN, OPSET, NodeWriter, WeightStore
-from .fused_ops import (DEQUANTIZE_ROWS_OP_TYPE, OFFSETS_OP_TYPE, QUANTIZE_ROWS_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE,
-                        QUANTIZED_LINEAR_OP_TYPE, QUANTIZED_LINEAR_SPLIT8_OP_TYPE, ROTARY_OP_TYPE,
-                        SILU_OP_TYPE, make_dequantize_rows_function, make_offsets_function, make_quantize_rows_function,
-                        make_quantized_linear_functions, make_rotary_function, make_silu_function)
+from .fused_ops import (BLOCK_HADAMARD_OP_TYPE, DEQUANTIZE_ROWS_OP_TYPE, OFFSETS_OP_TYPE, QUANTIZE_ROWS_OP_TYPE,
+                        QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OP_TYPE, QUANTIZED_LINEAR_SPLIT8_OP_TYPE,
+                        ROTARY_OP_TYPE, SILU_OP_TYPE, make_block_hadamard_function, make_dequantize_rows_function,
+                        make_offsets_function, make_quantize_rows_function, make_quantized_linear_functions,
+                        make_rotary_function, make_silu_function)
 from .paged_attention import (DOMAIN, OP_TYPE, check_kv_cache_dtype_name, make_onnx_function, make_onnx_functions,
                               write_attention_metadata)
 from .quantize import QuantizedLinear, W8A8Linear, pack_codes
+from .rotation import DOWN_ROTATION
 
 
 GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
@@ -116,6 +118,7 @@ class DecoderGraphWriter:
         self.metadata: tuple[str, ...] = ()   # attention metadata, written once (runtime KV write)
         self.quantized_linear_ops = False     # QuantizedLinear nodes written (their functions go with them)
         self.quantize_rows_ops = False        # QuantizeRows nodes written (W8A8 linears)
+        self.block_hadamard_ops = False       # BlockHadamard nodes written (--rotate-activations)
 
     def weight(self, name: str) -> str:
         if name not in self.weights.arrays:
@@ -300,10 +303,14 @@ class DecoderGraphWriter:
             return self.linear(w.op("Gelu", self.linear(x, f"layers.{i}.up"), approximate="tanh"),
                                f"layers.{i}.down")
         if self.fused_ops:   # silu(gate) * up as one op (fused_ops.py)
-            return self.linear(w.op(SILU_OP_TYPE, self.linear(x, f"layers.{i}.gate_up"), domain=DOMAIN),
-                               f"layers.{i}.down")
-        gate, up = w.op("Split", self.linear(x, f"layers.{i}.gate_up"), axis=1, num_outputs=2, outputs=2)
-        return self.linear(w.op("Mul", w.op("Mul", gate, w.op("Sigmoid", gate)), up), f"layers.{i}.down")
+            h = w.op(SILU_OP_TYPE, self.linear(x, f"layers.{i}.gate_up"), domain=DOMAIN)
+        else:
+            gate, up = w.op("Split", self.linear(x, f"layers.{i}.gate_up"), axis=1, num_outputs=2, outputs=2)
+            h = w.op("Mul", w.op("Mul", gate, w.op("Sigmoid", gate)), up)
+        if self.has(DOWN_ROTATION):   # --rotate-activations: the down input's online rotation (builder/rotation.py)
+            self.block_hadamard_ops = True
+            h = w.op(BLOCK_HADAMARD_OP_TYPE, h, self.weight(DOWN_ROTATION), domain=DOMAIN)
+        return self.linear(h, f"layers.{i}.down")
 
     # -- the whole graph ------------------------------------------------------------------
     def build(self) -> onnx.ModelProto:
@@ -387,6 +394,8 @@ class DecoderGraphWriter:
             functions += make_quantized_linear_functions()
         if self.quantize_rows_ops:
             functions += [make_quantize_rows_function(), make_dequantize_rows_function()]
+        if self.block_hadamard_ops:
+            functions.append(make_block_hadamard_function())
         model = helper.make_model(graph, opset_imports=opsets, functions=functions,
                                   producer_name="trtllm-lite")
         model.ir_version = 10

@@ -38,6 +38,17 @@ per token (row)::
 
   Body: ``Mul``, ``Reshape`` to ``[planes, T, N]``, ``ReduceSum`` over planes, ``Add``.
 
+``trtllm_lite::BlockHadamard``, a w8a8 down projection's input rotated before it is quantized
+(``--rotate-activations``, :mod:`builder.rotation`)::
+
+    x [T, K] float32, hadamard [b, b] float32 (H_b, the normalized Sylvester Hadamard matrix;
+    b a power of two dividing K)
+      -> each row's blocks of b values times H_b   [T, K] float32
+    (the kernel: the fast Walsh-Hadamard transform, b log2 b additions a block; QuaRot,
+    Ashkboos et al. 2024)
+
+  Body: ``Reshape`` to ``[T, K / b, b]``, ``MatMul`` by ``hadamard``, ``Reshape`` back.
+
 ``trtllm_lite::AddBlockOffsets`` (attribute ``block_size``), a block-quantized weight's float
 offsets (GGUF Q4_1's block mins, :mod:`builder.quantize`) added to MatMulNBits' output::
 
@@ -73,6 +84,7 @@ ROTARY_OP_TYPE = "RotarySplitQKV"
 SILU_OP_TYPE = "SiluAndMul"
 QUANTIZE_ROWS_OP_TYPE = "QuantizeRows"
 DEQUANTIZE_ROWS_OP_TYPE = "DequantizeRows"
+BLOCK_HADAMARD_OP_TYPE = "BlockHadamard"
 OFFSETS_OP_TYPE = "AddBlockOffsets"
 QUANTIZED_LINEAR_OP_TYPE = "QuantizedLinear"
 QUANTIZED_LINEAR_OFFSETS_OP_TYPE = "QuantizedLinearWithOffsets"
@@ -168,6 +180,22 @@ def make_dequantize_rows_function(opset: int | None = None):
     w.op("Add", total, "bias", outputs=["output"])
     return helper.make_function(DOMAIN, DEQUANTIZE_ROWS_OP_TYPE, ["y", "scale", "bias"], ["output"], w.nodes,
                                 [helper.make_opsetid("", opset or OPSET)], attributes=["planes"])
+
+
+def make_block_hadamard_function(opset: int | None = None):
+    """``BlockHadamard``'s body (module docstring)."""
+    from onnx import helper
+
+    from .onnx_graph import OPSET, NodeWriter
+
+    w = NodeWriter("bh_")
+    b = w.op("Shape", "hadamard", start=0, end=1)
+    blocks = w.op("Concat", w.op("Shape", "x", start=0, end=1), w.op("Div", w.op("Shape", "x", start=1, end=2), b), b,
+                  axis=0)   # [T, K / b, b] (no -1: T may be 0)
+    rotated = w.op("MatMul", w.op("Reshape", "x", blocks), "hadamard")
+    w.op("Reshape", rotated, w.op("Shape", "x"), outputs=["output"])
+    return helper.make_function(DOMAIN, BLOCK_HADAMARD_OP_TYPE, ["x", "hadamard"], ["output"], w.nodes,
+                                [helper.make_opsetid("", opset or OPSET)])
 
 
 def make_offsets_function(opset: int | None = None):

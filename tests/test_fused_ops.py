@@ -312,3 +312,44 @@ def test_dequantize_rows_rejects_mismatched_shapes(kernel_library):
     with pytest.raises(Exception, match=r"DequantizeRows: y \[3, 8\], scale \[3, 1\] and bias \[8\] are not "
                                         r"\[2 T, N\], \[2 T, 1\] and \[N\]"):
         sess.run(None, feed)
+
+
+def block_hadamard_session(library=None):
+    from builder.fused_ops import BLOCK_HADAMARD_OP_TYPE, make_block_hadamard_function
+
+    f32 = TensorProto.FLOAT
+    node = helper.make_node(BLOCK_HADAMARD_OP_TYPE, ["x", "hadamard"], ["out"], domain=DOMAIN)
+    return one_node_session(node, [helper.make_tensor_value_info(n, f32, None) for n in ("x", "hadamard")],
+                            [helper.make_tensor_value_info("out", f32, None)], make_block_hadamard_function(), library)
+
+
+@pytest.mark.parametrize("tokens,width,block", [(3, 1536, 256), (70, 96, 32), (5, 24, 8), (2, 6, 2), (4, 5, 1),
+                                                (0, 64, 16)])
+def test_block_hadamard_matches_reference(op_library, tokens, width, block):
+    """Each row's blocks times the normalized Hadamard matrix, against float64 numpy (the
+    kernel's fast transform and the body's MatMul; blocks under the 16-float vector too)."""
+    from builder.fused_ops import BLOCK_HADAMARD_OP_TYPE
+    from builder.rotation import hadamard_matrix
+
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((tokens, width)) * 3).astype(np.float32)
+    if tokens:
+        x[0, 1] = 1e4   # an outlier: spread over its block
+    h = hadamard_matrix(block)
+    sess = block_hadamard_session(op_library)
+    (got,) = sess.run(None, {"x": x, "hadamard": h.astype(np.float32)})
+    assert (BLOCK_HADAMARD_OP_TYPE in ops_run(sess)) is (op_library is not None)
+    blocks = (tokens, width // block, block)
+    want = (x.astype(np.float64).reshape(blocks) @ h).reshape(tokens, width)
+    magnitude = np.abs(x.astype(np.float64)).reshape(blocks).sum(-1, keepdims=True) / np.sqrt(block)
+    assert got.shape == want.shape
+    assert (np.abs(got - want).reshape(blocks) <= 1e-6 * magnitude + 1e-7).all()
+
+
+def test_block_hadamard_rejects_a_block_that_does_not_divide_the_row(kernel_library):
+    sess = block_hadamard_session(kernel_library)
+    with pytest.raises(Exception, match=r"BlockHadamard: hadamard \[12, 12\] is not \[b, b\] with b a power "
+                                        r"of two dividing K = 24"):
+        sess.run(None, {"x": np.zeros((2, 24), np.float32), "hadamard": np.zeros((12, 12), np.float32)})
+    with pytest.raises(Exception, match=r"hadamard \[16, 16\] is not \[b, b\] with b a power of two dividing K = 24"):
+        sess.run(None, {"x": np.zeros((2, 24), np.float32), "hadamard": np.zeros((16, 16), np.float32)})

@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     if quantization == "w8a8":
         planes = build.get("activation_planes") or 2
         print(f"quantized   w8a8 (int8 weights per output channel, activations as {planes} int8 "
-              f"plane{'s' if planes > 1 else ''} per token), lm_head {'int8' if build.get('quantize_lm_head') else 'float'}")
+              f"plane{'s' if planes > 1 else ''} per token), lm_head {'int8' if build.get('quantize_lm_head') else 'float'}"
+              + (", activations rotated (--rotate-activations)" if build.get("rotate_activations") else ""))
     elif quantization != "none":
         sources = sorted(set(m.get("quantization", {}).get("weights", {}).values()))
         levels = sorted({str(build.get("accuracy_level"))} | set(m.get("graph_variants", {}).get("accuracy_level", {})))

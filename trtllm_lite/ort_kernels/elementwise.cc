@@ -27,6 +27,15 @@
 // trtllm_lite::DequantizeRows   the integer GEMM's planes -> float32
 //   inputs   y [planes T, N], scale [planes T, 1], bias [N] float32; attr planes
 //   output   [T, N] = sum over planes of y * scale, + bias
+//
+// trtllm_lite::BlockHadamard   a w8a8 down projection's input, rotated (--rotate-activations)
+//   inputs   x [T, K] float32, hadamard [b, b] float32 (b a power of two dividing K: the
+//            normalized Sylvester Hadamard matrix H_b, builder/rotation.py)
+//   output   [T, K]: each row's consecutive blocks of b values times H_b (symmetric), computed as
+//            the fast Walsh-Hadamard transform (b log2 b additions per block) scaled by 1 / sqrt(b);
+//            the kernel checks the matrix's shape, not its values. The rotation spreads an
+//            outlier channel over its block before per-token int8 quantization (QuaRot, Ashkboos
+//            et al. 2024, "Outlier-free 4-bit inference in rotated LLMs").
 #include "kernel_common.h"
 
 namespace trtllm_lite_kernels {
@@ -357,7 +366,97 @@ OrtStatus* create_dequantize_rows(const OrtKernelInfo* info, void** kernel) {
   });
 }
 
+// ---- BlockHadamard -------------------------------------------------------------------------
+constexpr ONNXTensorElementDataType kBlockHadamardInputs[2] = {kF32, kF32};
+
+struct BlockHadamardStep {
+  const float* x;
+  float* out;
+  int64_t tokens, width, block;
+};
+
+// x [b] <- x H_b * sqrt(b) in place (the unnormalized fast Walsh-Hadamard transform, Sylvester
+// order: stage h pairs element i with i + h for i's bit h clear: (a, c) -> (a + c, a - c)).
+inline void fwht(float* x, int64_t b) {
+  int64_t h = 1;
+#ifdef __AVX512F__
+  if (b >= 16) {   // stages 1, 2, 4, 8 within each 16-float vector: lane i takes lane i ^ h
+    const __m512i idx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i partner[4];
+    __m512 sign[4];
+    for (int s = 0; s < 4; ++s) {
+      const __m512i bit = _mm512_set1_epi32(1 << s);
+      partner[s] = _mm512_xor_si512(idx, bit);
+      // +1 where lane i has bit s clear (a + c), -1 where set (a - c: -x[i] + x[i ^ h])
+      const __mmask16 set = _mm512_test_epi32_mask(idx, bit);
+      sign[s] = _mm512_mask_blend_ps(set, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+    }
+    for (int64_t i = 0; i < b; i += 16) {
+      __m512 v = _mm512_loadu_ps(x + i);
+      for (int s = 0; s < 4; ++s) v = _mm512_fmadd_ps(sign[s], v, _mm512_permutexvar_ps(partner[s], v));
+      _mm512_storeu_ps(x + i, v);
+    }
+    h = 16;
+  }
+#endif
+  for (; h < b; h *= 2)
+    for (int64_t i = 0; i < b; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], c = x[j + h];
+        x[j] = a + c;
+        x[j + h] = a - c;
+      }
+}
+
+void block_hadamard_rows(void* user, size_t item) {
+  const BlockHadamardStep& st = *static_cast<const BlockHadamardStep*>(user);
+  const int64_t end = std::min(st.tokens, static_cast<int64_t>(item + 1) * kRowsPerItem);
+  const float norm = 1.0f / std::sqrt(static_cast<float>(st.block));
+  for (int64_t t = static_cast<int64_t>(item) * kRowsPerItem; t < end; ++t) {
+    float* y = st.out + t * st.width;
+    const float* x = st.x + t * st.width;
+    for (int64_t i = 0; i < st.width; ++i) y[i] = x[i] * norm;   // scaled first: the sums stay in x's range
+    for (int64_t i = 0; i < st.width; i += st.block) fwht(y + i, st.block);
+  }
+}
+
+struct BlockHadamardKernel : KernelBase {
+  OrtStatus* compute(OrtKernelContext* context) override;
+};
+
+OrtStatus* BlockHadamardKernel::compute(OrtKernelContext* context) {
+  Tensor x, h;
+  RETURN_IF_ERROR(read_input(context, 0, &x));
+  RETURN_IF_ERROR(read_input(context, 1, &h));
+  if (x.dims.size() != 2)
+    return error(ORT_INVALID_ARGUMENT, "BlockHadamard: x " + dims_string(x.dims) + " is not [T, K]");
+  const bool square = h.dims.size() == 2 && h.dims[0] == h.dims[1];
+  const int64_t b = square ? h.dims[0] : 0;
+  if (b < 1 || (b & (b - 1)) != 0 || x.dims[1] % b != 0)
+    return error(ORT_INVALID_ARGUMENT, "BlockHadamard: hadamard " + dims_string(h.dims) +
+                                           " is not [b, b] with b a power of two dividing K = " +
+                                           std::to_string(x.dims[1]));
+  BlockHadamardStep st{};
+  st.tokens = x.dims[0];
+  st.width = x.dims[1];
+  st.block = b;
+  RETURN_IF_ERROR(data_of(x.value, &st.x));
+  RETURN_IF_ERROR(new_output(context, 0, {st.tokens, st.width}, &st.out));
+  if (st.tokens == 0) return nullptr;
+  return parallel_for(context, block_hadamard_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem),
+                      &st, st.tokens * st.width < kSerialWork);
+}
+
+OrtStatus* create_block_hadamard(const OrtKernelInfo*, void** kernel) {
+  return new_kernel<BlockHadamardKernel>(kernel, [](BlockHadamardKernel&) { return static_cast<OrtStatus*>(nullptr); });
+}
+
 }  // namespace
+
+const OrtCustomOp* block_hadamard_op() {
+  static const CustomOp op({"BlockHadamard", kBlockHadamardInputs, 2, 1, create_block_hadamard});
+  return &op;
+}
 
 const OrtCustomOp* dequantize_rows_op() {
   static const CustomOp op({"DequantizeRows", kDequantizeRowsInputs, 3, 1, create_dequantize_rows});

@@ -310,6 +310,7 @@ const OrtCustomOp* rotary_split_qkv_op();
 const OrtCustomOp* silu_and_mul_op();
 const OrtCustomOp* quantize_rows_op();
 const OrtCustomOp* dequantize_rows_op();
+const OrtCustomOp* block_hadamard_op();
 const OrtCustomOp* add_block_offsets_op();
 const OrtCustomOp* quantized_linear_op();
 const OrtCustomOp* quantized_linear_with_offsets_op();
