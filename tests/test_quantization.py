@@ -399,6 +399,15 @@ def dequantized_hf(hf, hf_dir, quantization, block_size, symmetric):
     return model.eval()
 
 
+def three_prompts_logits(engine: str):
+    """``(llm, prompts, logits)``: an ``LLM`` over ``engine``, three random prompts (1, 9 and
+    30 tokens) and their last positions' logits ``[3, vocab]`` float32 from one prefill step."""
+    llm = LLM(engine, num_kv_blocks=64, verify_checksums=False, num_threads=1)
+    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30)]
+    seqs = [ScheduledSeq(p, list(range(8 * i, 8 * i + 8)), 0, len(p)) for i, p in enumerate(prompts)]
+    return llm, prompts, llm.engine.runner.execute(StepBatch(prefill=seqs))
+
+
 def set_linear_weights(model, quantized, config, dtype, pre_hook=None):
     """Put each layer's quantized linear weights, dequantized to ``dtype``, into the HF
     ``model`` (the fused qkv and gate_up split back), with ``pre_hook`` on each linear."""
@@ -435,10 +444,7 @@ def test_tiny_quantized_engine_matches_hf_on_dequantized_weights(tiny_model, tmp
                    max_num_seqs=16, block_size=4, quantization=quantization, quant_block_size=block_size,
                    quant_symmetric=symmetric, accuracy_level=0)   # float32 activations: exact
     reference = dequantized_hf(hf, hf_dir, quantization, block_size, symmetric)
-    llm = LLM(engine, num_kv_blocks=64, verify_checksums=False, num_threads=1)
-    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30)]
-    seqs = [ScheduledSeq(p, list(range(8 * i, 8 * i + 8)), 0, len(p)) for i, p in enumerate(prompts)]
-    logits = llm.engine.runner.execute(StepBatch(prefill=seqs))
+    llm, prompts, logits = three_prompts_logits(engine)
     for row, p in zip(logits, prompts):
         with torch.no_grad():
             ref = reference(torch.tensor([p])).logits[0, -1].numpy()
@@ -550,10 +556,7 @@ def test_tiny_w8a8_engine_matches_its_arithmetic_and_is_batch_invariant(tiny_mod
             f"plane{'s' if planes > 1 else ''} per token), lm_head {'int8' if quantize_lm_head else 'float'}"
             ) in out.getvalue()
     assert ("activations rotated" in out.getvalue()) is rotated
-    llm = LLM(engine, num_kv_blocks=64, verify_checksums=False, num_threads=1)
-    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30)]
-    seqs = [ScheduledSeq(p, list(range(8 * i, 8 * i + 8)), 0, len(p)) for i, p in enumerate(prompts)]
-    batched = llm.engine.runner.execute(StepBatch(prefill=seqs))
+    llm, prompts, batched = three_prompts_logits(engine)
     for row, p in zip(batched, prompts):
         ref = w8a8_reference_logits(hf, hf_dir, p, bool(quantize_lm_head), planes, rotated)
         np.testing.assert_allclose(row, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
@@ -577,10 +580,7 @@ def test_rotated_float_engine_computes_the_same_function(tiny_model, kind):
     manifest = load_engine_dir(engine).manifest
     assert manifest["build"]["rotate_activations"] is True and DOWN_ROTATION in manifest["weights"]["tensors"]
     assert manifest["model"]["tie_word_embeddings"] is False
-    llm = LLM(engine, num_kv_blocks=64, verify_checksums=False, num_threads=1)
-    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30)]
-    seqs = [ScheduledSeq(p, list(range(8 * i, 8 * i + 8)), 0, len(p)) for i, p in enumerate(prompts)]
-    logits = llm.engine.runner.execute(StepBatch(prefill=seqs))
+    llm, prompts, logits = three_prompts_logits(engine)
     for row, p in zip(logits, prompts):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0, -1].numpy()
