@@ -88,42 +88,46 @@ def rotate_activations(loaded, seed: int = SEED):
     q = residual_rotation(c.hidden_size, rng)
     block = down_block(c.intermediate_size)
     signs = rng.choice([-1.0, 1.0], c.intermediate_size)
-    src = {k: v.astype(np.float64) for k, v in loaded.weights.items()}
+    h = hadamard_matrix(block)
+    src = loaded.weights
     w: dict[str, np.ndarray] = {}
 
-    def reads(name: str, norm: np.ndarray) -> np.ndarray:   # W [out, d] after rmsnorm * g
-        return (src[name] * norm) @ q
+    def f64(name: str) -> np.ndarray:   # one tensor at a time in float64 (the peak: one tensor, not the model)
+        return src[name].astype(np.float64)
 
-    embed = src["embed.weight"]
-    lm_head = src.get("lm_head.weight", embed)
-    w["embed.weight"] = embed @ q
-    w["lm_head.weight"] = reads("lm_head.weight", src["final_norm.weight"]) if "lm_head.weight" in src \
-        else (lm_head * src["final_norm.weight"]) @ q
-    w["final_norm.weight"] = np.ones(c.hidden_size)
-    h = hadamard_matrix(block)
+    def put(name: str, value: np.ndarray) -> None:
+        w[name] = value.astype(np.float32)
+
+    def reads(name: str, norm: str) -> np.ndarray:   # W [out, d] after rmsnorm * g: W diag(g) Q
+        return (f64(name) * f64(norm)) @ q
+
+    put("lm_head.weight", reads("lm_head.weight" if "lm_head.weight" in src else "embed.weight", "final_norm.weight"))
+    put("embed.weight", f64("embed.weight") @ q)
+    put("final_norm.weight", np.ones(c.hidden_size))
     for i in range(c.num_layers):
         p = f"layers.{i}."
-        w[p + "qkv.weight"] = reads(p + "qkv.weight", src[p + "attn_norm.weight"])
-        w[p + "gate_up.weight"] = reads(p + "gate_up.weight", src[p + "mlp_norm.weight"])
-        w[p + "attn_norm.weight"] = np.ones(c.hidden_size)
-        w[p + "mlp_norm.weight"] = np.ones(c.hidden_size)
-        w[p + "o.weight"] = q.T @ src[p + "o.weight"]
+        put(p + "qkv.weight", reads(p + "qkv.weight", p + "attn_norm.weight"))
+        gate_up = reads(p + "gate_up.weight", p + "mlp_norm.weight")
         # down's input x becomes (x * signs) H_blocks: up's rows take the signs (silu(g) * up is
         # linear in up), down's columns the signs and the blocks (H symmetric)
-        w[p + "gate_up.weight"][c.intermediate_size:] *= signs[:, None]
-        down = src[p + "down.weight"] * signs
+        gate_up[c.intermediate_size:] *= signs[:, None]
+        put(p + "gate_up.weight", gate_up)
+        put(p + "attn_norm.weight", np.ones(c.hidden_size))
+        put(p + "mlp_norm.weight", np.ones(c.hidden_size))
+        put(p + "o.weight", q.T @ f64(p + "o.weight"))
+        down = f64(p + "down.weight") * signs
         for start in range(0, c.intermediate_size, block):
             down[:, start:start + block] = down[:, start:start + block] @ h
-        w[p + "down.weight"] = q.T @ down
+        put(p + "down.weight", q.T @ down)
         for name in (p + "o.bias", p + "down.bias"):   # added to the residual
             if name in src:
-                w[name] = src[name] @ q
+                put(name, f64(name) @ q)
         if p + "gate_up.bias" in src:
-            w[p + "gate_up.bias"] = src[p + "gate_up.bias"].copy()
-            w[p + "gate_up.bias"][c.intermediate_size:] *= signs
+            bias = f64(p + "gate_up.bias")
+            bias[c.intermediate_size:] *= signs
+            put(p + "gate_up.bias", bias)
     for name, arr in src.items():   # the rest as it was (qkv biases: on the outputs)
         w.setdefault(name, arr)
-    w[DOWN_ROTATION] = h
-    weights = {k: v.astype(np.float32) for k, v in w.items()}
+    put(DOWN_ROTATION, h)
     config = dataclasses.replace(c, tie_word_embeddings=False)
-    return dataclasses.replace(loaded, config=config, weights=weights, extra={})
+    return dataclasses.replace(loaded, config=config, weights=w, extra={})
