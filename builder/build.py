@@ -44,8 +44,9 @@ class BuildConfig:
 
     ``rotate_activations`` (:mod:`builder.rotation`, the Llama family, ``none`` or ``w8a8``,
     onnxruntime backend): the residual stream and the down projections' inputs rotated so that
-    per-token int8 activations lose less; ``None``: on for w8a8 with one activation plane,
-    else off. The tied embedding / lm_head become two tensors.
+    per-token int8 activations lose less; ``None``: on for the Llama family's w8a8 with one
+    activation plane, else off (recorded in the manifest as chosen). The tied embedding /
+    lm_head become two tensors.
 
     ``kv_cache_dtype``: the KV pools' element type, ``"float32"`` (default) or ``"float16"``
     (half the bytes per block; K/V rounded to float16 when stored, attention still computed
@@ -79,6 +80,10 @@ class BuildConfig:
             raise ValueError(f"--kv-cache-dtype: {e}") from None
         if self.backend in KV_WRITE:   # (before --dtype: the KV cache option is the one to drop)
             check_kv_cache_dtype(self.backend, self.kv_cache_dtype, self.dtype)
+        if self.rotate_activations and (self.quantization not in ("none", W8A8) or self.backend != "onnxruntime"):
+            raise ValueError(f"--rotate-activations: only --quantization none or w8a8 on the onnxruntime backend "
+                             f"(got --quantization {self.quantization}, --backend {self.backend}): it rotates "
+                             "float weights, and the w8a8 activations are what it is for")
         if self.dtype not in DTYPES[self.backend]:
             raise ValueError(f"--dtype {self.dtype!r}: the {self.backend} backend builds "
                              f"{' or '.join(DTYPES[self.backend])}")
@@ -113,12 +118,6 @@ class BuildConfig:
         if self.quantization == W8A8 and self.accuracy_level not in (None, 0):
             raise ValueError(f"--accuracy-level {self.accuracy_level}: it sets MatMulNBits' precision "
                              "(--quantization int8 / int4); w8a8 always takes int8 activations")
-        if self.rotate_activations and (self.quantization not in ("none", W8A8) or self.backend != "onnxruntime"):
-            raise ValueError(f"--rotate-activations: only --quantization none or w8a8 on the onnxruntime backend "
-                             f"(got --quantization {self.quantization}, --backend {self.backend}): it rotates "
-                             "float weights, and the w8a8 activations are what it is for")
-        if self.rotate_activations is None:
-            self.rotate_activations = self.quantization == W8A8 and self.activation_planes == 1
         if self.accuracy_level is None:
             self.accuracy_level = 0
         if self.accuracy_level not in (0, 1, 2, 3, 4):
@@ -163,6 +162,9 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     loaded = load_model(model)
     if bc.draft_layers:
         loaded = keep_first_layers(loaded, bc.draft_layers)
+    if bc.rotate_activations is None:   # the default: one plane of the Llama family's w8a8
+        bc.rotate_activations = (bc.quantization == W8A8 and bc.activation_planes == 1
+                                 and loaded.config.family == "llama")
     if bc.rotate_activations:
         loaded = rotate_activations(loaded)
         _log(f"rotated the residual stream and the down projections' inputs (block {down_block(loaded.config.intermediate_size)})")

@@ -353,3 +353,10 @@ def test_block_hadamard_rejects_a_block_that_does_not_divide_the_row(kernel_libr
         sess.run(None, {"x": np.zeros((2, 24), np.float32), "hadamard": np.zeros((12, 12), np.float32)})
     with pytest.raises(Exception, match=r"hadamard \[16, 16\] is not \[b, b\] with b a power of two dividing K = 24"):
         sess.run(None, {"x": np.zeros((2, 24), np.float32), "hadamard": np.zeros((16, 16), np.float32)})
+    # the kernel computes H_b's transform: any other [b, b] matrix (the body would multiply by it) is refused
+    with pytest.raises(Exception, match=r"BlockHadamard: hadamard is not the normalized Sylvester Hadamard "
+                                        r"matrix of size 4"):
+        sess.run(None, {"x": np.ones((2, 24), np.float32), "hadamard": np.eye(4, dtype=np.float32)})
+    from builder.rotation import hadamard_matrix
+    (got,) = sess.run(None, {"x": np.ones((2, 24), np.float32), "hadamard": hadamard_matrix(4).astype(np.float32)})
+    np.testing.assert_allclose(got, np.tile([2.0, 0, 0, 0], (2, 6)), atol=1e-6)

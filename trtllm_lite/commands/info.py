@@ -33,14 +33,16 @@ def run(args: argparse.Namespace) -> int:
     if quantization == "w8a8":
         planes = build.get("activation_planes") or 2
         print(f"quantized   w8a8 (int8 weights per output channel, activations as {planes} int8 "
-              f"plane{'s' if planes > 1 else ''} per token), lm_head {'int8' if build.get('quantize_lm_head') else 'float'}"
-              + (", activations rotated (--rotate-activations)" if build.get("rotate_activations") else ""))
+              f"plane{'s' if planes > 1 else ''} per token), lm_head {'int8' if build.get('quantize_lm_head') else 'float'}")
     elif quantization != "none":
         sources = sorted(set(m.get("quantization", {}).get("weights", {}).values()))
         levels = sorted({str(build.get("accuracy_level"))} | set(m.get("graph_variants", {}).get("accuracy_level", {})))
         print(f"quantized   {quantization} (block {build.get('quant_block_size')}, from {', '.join(sources)}), "
               f"lm_head {'quantized' if build.get('quantize_lm_head') else 'float'}, accuracy levels "
               f"{', '.join(levels)} (built {build.get('accuracy_level')})")
+    if build.get("rotate_activations"):
+        print("rotation    activations rotated (--rotate-activations): the residual stream in the weights, "
+              "the down projections' inputs at run time")
     print(f"weights     {weights / 2**20:.1f} MiB in {m['weights']['file']}")
     kernel_graphs = m.get("graph_variants", {}).get("custom_kernels")
     print(f"graphs      {', '.join(m['graphs'])}"

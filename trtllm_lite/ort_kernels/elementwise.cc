@@ -30,12 +30,14 @@
 //
 // trtllm_lite::BlockHadamard   a w8a8 down projection's input, rotated (--rotate-activations)
 //   inputs   x [T, K] float32, hadamard [b, b] float32 (b a power of two dividing K: the
-//            normalized Sylvester Hadamard matrix H_b, builder/rotation.py)
+//            normalized Sylvester Hadamard matrix H_b, builder/rotation.py; any other matrix
+//            is an INVALID_ARGUMENT: its values are checked once per buffer)
 //   output   [T, K]: each row's consecutive blocks of b values times H_b (symmetric), computed as
-//            the fast Walsh-Hadamard transform (b log2 b additions per block) scaled by 1 / sqrt(b);
-//            the kernel checks the matrix's shape, not its values. The rotation spreads an
+//            the fast Walsh-Hadamard transform (b log2 b additions per block) scaled by 1 / sqrt(b). The rotation spreads an
 //            outlier channel over its block before per-token int8 quantization (QuaRot, Ashkboos
 //            et al. 2024, "Outlier-free 4-bit inference in rotated LLMs").
+#include <atomic>
+
 #include "kernel_common.h"
 
 namespace trtllm_lite_kernels {
@@ -422,7 +424,20 @@ void block_hadamard_rows(void* user, size_t item) {
 
 struct BlockHadamardKernel : KernelBase {
   OrtStatus* compute(OrtKernelContext* context) override;
+  std::atomic<const float*> checked{nullptr};   // the matrix last found to be H_b (an initializer: once)
 };
+
+// Whether h [b, b] is H_b: entry (i, j) = (-1)^popcount(i & j) / sqrt(b), to float32 rounding
+// (the kernel computes that transform; any other matrix would make it disagree with the body).
+bool is_sylvester_hadamard(const float* h, int64_t b) {
+  const float norm = 1.0f / std::sqrt(static_cast<float>(b));
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t j = 0; j < b; ++j) {
+      const float want = (__builtin_popcountll(static_cast<uint64_t>(i & j)) & 1) ? -norm : norm;
+      if (!(std::fabs(h[i * b + j] - want) <= 1e-5f * norm)) return false;
+    }
+  return true;
+}
 
 OrtStatus* BlockHadamardKernel::compute(OrtKernelContext* context) {
   Tensor x, h;
@@ -436,6 +451,14 @@ OrtStatus* BlockHadamardKernel::compute(OrtKernelContext* context) {
     return error(ORT_INVALID_ARGUMENT, "BlockHadamard: hadamard " + dims_string(h.dims) +
                                            " is not [b, b] with b a power of two dividing K = " +
                                            std::to_string(x.dims[1]));
+  const float* matrix = nullptr;
+  RETURN_IF_ERROR(data_of(h.value, &matrix));
+  if (checked.load(std::memory_order_acquire) != matrix) {
+    if (!is_sylvester_hadamard(matrix, b))
+      return error(ORT_INVALID_ARGUMENT, "BlockHadamard: hadamard is not the normalized Sylvester Hadamard matrix "
+                                         "of size " + std::to_string(b) + " (builder.rotation.hadamard_matrix)");
+    checked.store(matrix, std::memory_order_release);
+  }
   BlockHadamardStep st{};
   st.tokens = x.dims[0];
   st.width = x.dims[1];
