@@ -161,10 +161,13 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
 def w8a8_compute_bound(manifest: dict, int8_rate: float, float_rate: float) -> float:
     """Tokens/s a W8A8 engine's batched steps can reach: its int8 linears (the
     ``*.int8_weight`` tensors) at ``int8_rate``, its other parameters (the float lm_head) at
-    ``float_rate`` (both per second, 2 x multiply-adds)."""
+    ``float_rate`` (both per second, 2 x multiply-adds). An untied embedding (a rotated
+    engine's, builder/rotation.py) is a Gather, no multiply-adds: not counted."""
     int8_params = sum(int(np.prod(t["shape"])) for name, t in manifest["weights"]["tensors"].items()
                       if name.endswith(".int8_weight"))
-    float_params = flops_per_token(manifest) / 2 - int8_params
+    model = manifest["model"]
+    embedding = 0 if model["tie_word_embeddings"] else model["vocab_size"] * model["hidden_size"]
+    float_params = flops_per_token(manifest) / 2 - embedding - int8_params
     return 1.0 / (2 * int8_params / int8_rate + 2 * float_params / float_rate)
 
 
