@@ -44,8 +44,8 @@ class BuildConfig:
 
     ``rotate_activations`` (:mod:`builder.rotation`, the Llama family, ``none`` or ``w8a8``,
     onnxruntime backend): the residual stream and the down projections' inputs rotated so that
-    per-token int8 activations lose less; ``None``: on for the Llama family's w8a8 with one
-    activation plane, else off (recorded in the manifest as chosen). The tied embedding /
+    per-token int8 activations lose less; ``None``: on for the Llama family's w8a8, else off
+    (recorded in the manifest as chosen). The tied embedding /
     lm_head become two tensors.
 
     ``kv_cache_dtype``: the KV pools' element type, ``"float32"`` (default) or ``"float16"``
@@ -162,9 +162,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     loaded = load_model(model)
     if bc.draft_layers:
         loaded = keep_first_layers(loaded, bc.draft_layers)
-    if bc.rotate_activations is None:   # the default: one plane of the Llama family's w8a8
-        bc.rotate_activations = (bc.quantization == W8A8 and bc.activation_planes == 1
-                                 and loaded.config.family == "llama")
+    if bc.rotate_activations is None:   # the default: the Llama family's w8a8
+        bc.rotate_activations = bc.quantization == W8A8 and loaded.config.family == "llama"
     if bc.rotate_activations:
         loaded = rotate_activations(loaded)
         _log(f"rotated the residual stream and the down projections' inputs (block {down_block(loaded.config.intermediate_size)})")

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rounding changes results) or 1 (classic W8A8: faster batched steps, changes them more)")
     p.add_argument("--rotate-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="Llama family, w8a8 (or none): rotate the residual stream and the down projections' "
-                        "inputs (QuaRot) so int8 activations lose less (default: on with --activation-planes 1)")
+                        "inputs (QuaRot) so int8 activations lose less (default: on for the Llama family's w8a8)")
     p.add_argument("--accuracy-level", type=int, default=None, choices=[0, 1, 2, 3, 4],
                    help="MatMulNBits compute precision: 0 float32 activations (default), "
                         "4 int8 activations (faster, changes results)")

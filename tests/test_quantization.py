@@ -523,14 +523,15 @@ def w8a8_reference_logits(hf, hf_dir, prompt, quantize_lm_head=False, planes=2, 
 
 @pytest.mark.parametrize("kind,quantize_lm_head,planes,rotate", [
     ("llama-gqa", None, 2, None), ("qwen2-bias", None, 2, None), ("llama-gqa", True, 1, None),
-    ("qwen2-bias", None, 1, None), ("llama-mqa", True, 2, True), ("llama-hd12", None, 1, False), ("gpt2", None, 2, None),
+    ("qwen2-bias", None, 1, None), ("llama-mqa", True, 2, None), ("llama-hd12", None, 1, False),
+    ("llama-gqa", None, 2, False), ("gpt2", None, 2, None),
     ("gpt2", None, 1, None)])
 def test_tiny_w8a8_engine_matches_its_arithmetic_and_is_batch_invariant(tiny_model, tmp_path, kind,
                                                                         quantize_lm_head, planes, rotate):
     """The w8a8 engine's logits against HF computing the same arithmetic (weights dequantized,
     linear inputs rounded per token), biases included (qwen2; GPT-2 on every linear, its
-    weights transposed in Conv1D modules), rotated activations (the default with one plane,
-    asked for with two; the tied lm_head then untied); a prompt's logits and greedy
+    weights transposed in Conv1D modules), rotated activations (the Llama family's default;
+    the tied lm_head then untied) and not; a prompt's logits and greedy
     tokens the same alone and batched with others (per-token scales: no token's rounding
     depends on another's); the tied lm_head stays float32 unless asked."""
     hf, float_engine = tiny_model(kind)
@@ -538,7 +539,7 @@ def test_tiny_w8a8_engine_matches_its_arithmetic_and_is_batch_invariant(tiny_mod
     engine = build(hf_dir, str(tmp_path / "engine"), max_seq_len=256, max_num_batched_tokens=256,
                    max_num_seqs=16, block_size=4, quantization="w8a8", quantize_lm_head=quantize_lm_head,
                    activation_planes=planes, rotate_activations=rotate)
-    rotated = (planes == 1 and kind != "gpt2") if rotate is None else rotate   # (the Llama family only)
+    rotated = kind != "gpt2" if rotate is None else rotate   # (the default: the Llama family's w8a8)
     import contextlib
     import io
 

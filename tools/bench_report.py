@@ -13,7 +13,7 @@ BEGIN, END = "<!-- bench.py:cpu begin -->", "<!-- bench.py:cpu end -->"
 NAMES = {"ours-fp32": "trtllm-lite fp32", "ours-fp32-kv16": "trtllm-lite fp32, float16 KV cache",
          "ours-int4": "trtllm-lite int4 (GGUF Q4_1, accuracy 0)",
          "ours-int4-acc4": "trtllm-lite int4, accuracy_level 4 (int8 activations)",
-         "ours-w8a8": "trtllm-lite w8a8 (int8 weights per channel, lm_head too; activations as two int8 planes "
+         "ours-w8a8": "trtllm-lite w8a8, rotated (int8 weights per channel, lm_head too; activations as two int8 planes "
                       "per token; float16 KV cache)",
          "ours-w8a8-1plane": "trtllm-lite w8a8, one activation plane, rotated (W8A8 with QuaRot's rotations; int8 lm_head, float16 KV cache)",
          "hf": "HF transformers fp32", "genai-fp32": "onnxruntime-genai fp32",
@@ -137,7 +137,7 @@ class Report:
         ratio("64 x 128/128: >= 50% of the compute bound (prompt + output tokens/s, each 2 x params FLOPs)",
               g("ours-fp32", "equal", "total_tokens_per_s"), self.bound_compute, 0.5, "{:.0%}")
         self.local_bound_target(out, "ours-fp32", "")
-        for k, label in (("ours-w8a8", "w8a8 engine"), ("ours-w8a8-1plane", "w8a8 engine, one activation plane, rotated")):
+        for k, label in (("ours-w8a8", "w8a8 engine, rotated"), ("ours-w8a8-1plane", "w8a8 engine, one activation plane, rotated")):
             if not g(k, "equal"):   # int8 arithmetic: past float32's bound; measured against its own too
                 continue
             ratio(f"64 x 128/128, {label}: >= HF static batching (64)", g(k, "equal", "output_tokens_per_s"),
