@@ -176,8 +176,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     os.makedirs(output, exist_ok=True)
     # engine.json is written last: a build stopped part way over an older engine leaves no
     # manifest, so the directory reads as unfinished ("engine.json is missing"), not as the old engine
-    if os.path.isfile(os.path.join(output, MANIFEST)):
-        os.remove(os.path.join(output, MANIFEST))
+    _remove_previous_build(output)
+    present_before = _file_mtimes(output)
     quantized = quantize_model(loaded, bc.quantization, bc.quant_block_size, bc.quant_symmetric,
                                bc.quantize_lm_head, bc.accuracy_level, log=_log,
                                activation_planes=bc.activation_planes or 2)
@@ -234,8 +234,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     }
     if tensorrt is not None:
         manifest["tensorrt"] = tensorrt
-    for name in sorted(os.listdir(output)):
-        if name != MANIFEST and os.path.isfile(os.path.join(output, name)):
+    for name, mtime in sorted(_file_mtimes(output).items()):   # the files this build wrote
+        if name != MANIFEST and present_before.get(name) != mtime:
             manifest["files"][name] = sha256_file(os.path.join(output, name))
     with open(os.path.join(output, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
@@ -243,6 +243,30 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         _compile_check(output)
     _log(f"engine ready in {output} ({time.time() - t0:.1f} s)")
     return output
+
+
+def _file_mtimes(directory: str) -> dict[str, int]:
+    """{file name: st_mtime_ns} of the plain files in ``directory``."""
+    return {e.name: e.stat().st_mtime_ns for e in os.scandir(directory) if e.is_file()}
+
+
+def _remove_previous_build(output: str) -> None:
+    """Delete the files an earlier build's manifest lists (and the manifest), so that a rebuild
+    with other options (another backend, no quantization) leaves none of them behind; files the
+    manifest does not list (the user's own) are kept. An unreadable manifest removes only itself."""
+    manifest_path = os.path.join(output, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        return
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            listed = json.load(f).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        listed = {}
+    for name in listed if isinstance(listed, dict) else ():
+        path = os.path.join(output, name)
+        if os.path.basename(name) == name and os.path.isfile(path):   # a bare name inside output only
+            os.remove(path)
+    os.remove(manifest_path)
 
 
 ACCURACY_LEVELS = (0, 4)  # float32 activations; int8 activations
