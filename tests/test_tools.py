@@ -1,0 +1,37 @@
+"""The measuring tools in ``tools/`` that the docs quote figures from, on tiny engines against
+HF transformers (the speed benchmarks themselves are run by hand, not here)."""
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+import accuracy  # noqa: E402  (tools/accuracy.py)
+
+
+def test_accuracy_prompt_logits_are_hf_logits_of_every_position(tiny_model):
+    """``accuracy.prompt_logits``: one row per prompt position, HF's logits within float32
+    rounding, and the engine left idle with every KV block back."""
+    from trtllm_lite.core.llm_engine import LLMEngine
+
+    hf, engine_dir = tiny_model("llama-gqa")
+    engine = LLMEngine(engine_dir, num_threads=1, verify_checksums=False, enable_prefix_caching=False)
+    ids = np.random.default_rng(3).integers(0, 256, 37).tolist()
+    got = accuracy.prompt_logits(engine, ids)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    assert got.shape == want.shape == (37, 256)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert not engine.has_unfinished_requests() and engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_accuracy_compare_reports_fractions_of_the_reference_range():
+    ref = {"logits": np.array([[0.0, 1.0, 4.0], [2.0, 0.0, 1.0]], np.float32), "greedy": [[1, 2], [3]]}
+    got = {"logits": np.array([[0.0, 1.2, 4.0], [0.0, 1.0, 0.5]], np.float32), "greedy": [[1, 2], [4]]}
+    c = accuracy.compare(ref, got)
+    # row 0: 0.2 of a range of 4; row 1: 2.0 of a range of 2, and its argmax moves (0 -> 1)
+    assert c["deviation_max"] == pytest.approx(1.0) and c["deviation_median"] == pytest.approx((0.05 + 1.0) / 2)
+    assert c["same_argmax"] == 0.5 and c["identical_prompts"] == 1
