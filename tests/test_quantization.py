@@ -570,6 +570,38 @@ def test_tiny_w8a8_engine_matches_its_arithmetic_and_is_batch_invariant(tiny_mod
     assert together == [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]
 
 
+@pytest.mark.parametrize("prepacking,custom_kernels", [(True, True), (False, True), (True, False)])
+def test_w8a8_uint8_weights_give_the_int8_weights_logits(tiny_model, prepacking, custom_kernels):
+    """The integer GEMMs on uint8 weights (w + 128, zero point 128) compute the products that
+    int8 weights do: where this CPU's uint8 x int8 GEMM is exact (VNNI, AMX) the logits are
+    the same to the bit; where it saturates (AVX2: the probe says so) the int8 sessions'
+    logits are wrong and the uint8 ones are HF's on the same arithmetic, which the runner
+    picks by default there."""
+    from trtllm_lite.runners.onnxruntime_runner import OnnxRuntimeRunner, OrtOptions, uses_uint8_weights
+    from trtllm_lite.runners.w8a8_uint8 import uint8_int8_gemm_saturates
+    from trtllm_lite.engine_dir import load_engine_dir
+
+    hf, float_engine = tiny_model("llama-gqa")
+    _, engine = tiny_model("llama-gqa", quantization="w8a8")
+    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30)]
+    seqs = [ScheduledSeq(p, list(range(8 * i, 8 * i + 8)), 0, len(p)) for i, p in enumerate(prompts)]
+    logits = {}
+    for unsigned in (True, False):
+        options = OrtOptions(enable_prepacking=prepacking, custom_kernels=custom_kernels, w8a8_uint8_weights=unsigned)
+        logits[unsigned] = OnnxRuntimeRunner(load_engine_dir(engine), 64, 1, options).execute(StepBatch(prefill=seqs))
+    saturates = uint8_int8_gemm_saturates()
+    assert uses_uint8_weights(load_engine_dir(engine), OrtOptions()) is saturates
+    assert not uses_uint8_weights(load_engine_dir(float_engine), OrtOptions(w8a8_uint8_weights=True))
+    if not saturates:
+        np.testing.assert_array_equal(logits[True], logits[False])
+        return
+    hf_dir = float_engine.replace("engine", "hf")
+    for row, p in zip(logits[True], prompts):
+        ref = w8a8_reference_logits(hf, hf_dir, p, False, 2, True)
+        np.testing.assert_allclose(row, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+    assert np.abs(logits[False] - logits[True]).max() > 1e-2   # what the saturation did
+
+
 @pytest.mark.parametrize("kind", ["llama-mqa", "qwen2-bias", "llama-hd12"])
 def test_rotated_float_engine_computes_the_same_function(tiny_model, kind):
     """--rotate-activations without quantization: the rotations are orthogonal and folded into
@@ -632,6 +664,29 @@ def test_rotation_takes_only_the_llama_family(tiny_model):
     hf, engine = tiny_model("gpt2")
     with pytest.raises(ValueError, match="--rotate-activations: GPT2LMHeadModel is not of the Llama family"):
         build(engine.replace("engine", "hf"), engine + "-rotated", quantization="w8a8", rotate_activations=True)
+
+
+def test_rebuild_into_the_same_directory_leaves_no_file_of_the_old_build(tmp_path):
+    """An int4 engine (with its accuracy-level graph variants) rebuilt in place as float32: the
+    old build's files are gone, the user's own file stays unlisted, and the engine loads with
+    its checksums verified."""
+    from builder.build import build_engine
+    from trtllm_lite.engine_dir import load_engine_dir
+
+    from .conftest import make_tiny_hf
+
+    hf_dir = make_tiny_hf("llama-gqa", str(tmp_path / "hf"))
+    out = str(tmp_path / "engine")
+    options = dict(max_seq_len=64, max_num_batched_tokens=64, max_num_seqs=4, block_size=4)
+    build_engine(hf_dir, out, BuildConfig(quantization="int4", **options))
+    assert "decode.acc4.onnx" in os.listdir(out)
+    with open(os.path.join(out, "NOTES.txt"), "w") as f:
+        f.write("kept")
+    build_engine(hf_dir, out, BuildConfig(**options))
+    engine = load_engine_dir(out, verify_checksums=True)
+    assert not [n for n in os.listdir(out) if ".acc" in n]
+    assert set(os.listdir(out)) == set(engine.manifest["files"]) | {"engine.json", "NOTES.txt"}
+    assert engine.manifest["quantization"]["method"] == "none"
 
 
 # -- SmolLM2 int4 straight from the GGUF's Q4_1 blocks, against the fp32 engine -----------

@@ -103,17 +103,22 @@ def ort_int8_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: i
     """Integer GEMM rate (multiply-adds x 2 per second) of ONNX Runtime's
     ``MatMulIntegerToFloat`` with uint8 A and int8 B (MLAS's u8s8 kernel, prepacked B: AMX or
     VNNI where the CPU has them) on ``n x n x n``, best of ``repeats``: what a W8A8 engine's
-    GEMMs can reach."""
+    GEMMs can reach. Where that kernel saturates (no VNNI or AMX), B as uint8 with zero point
+    128, as the runner then loads w8a8 weights (``trtllm_lite/runners/w8a8_uint8.py``)."""
     from onnx import TensorProto, helper, numpy_helper
+
+    from trtllm_lite.runners.w8a8_uint8 import uint8_int8_gemm_saturates
 
     rng = np.random.default_rng(0)
     a = rng.integers(0, 256, (n, n), dtype=np.uint8)
-    inits = [numpy_helper.from_array(rng.integers(-127, 128, (n, n), dtype=np.int8), "b"),
+    b = rng.integers(-127, 128, (n, n), dtype=np.int8)
+    unsigned = uint8_int8_gemm_saturates()
+    inits = [numpy_helper.from_array((b.astype(np.int16) + 128).astype(np.uint8) if unsigned else b, "b"),
              numpy_helper.from_array(np.array(1.0, np.float32), "a_scale"),
              numpy_helper.from_array(np.full(n, 1e-3, np.float32), "b_scale"),
-             numpy_helper.from_array(np.array(128, np.uint8), "a_zero_point")]
-    node = helper.make_node("MatMulIntegerToFloat", ["a", "b", "a_scale", "b_scale", "a_zero_point"], ["y"],
-                            domain="com.microsoft")
+             numpy_helper.from_array(np.array(128, np.uint8), "zero_point")]
+    node = helper.make_node("MatMulIntegerToFloat", ["a", "b", "a_scale", "b_scale", "zero_point"]
+                            + (["zero_point"] if unsigned else []), ["y"], domain="com.microsoft")
     graph = helper.make_graph([node], "int8_gemm", [helper.make_tensor_value_info("a", TensorProto.UINT8, [n, n])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])

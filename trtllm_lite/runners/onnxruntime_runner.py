@@ -19,6 +19,7 @@ Memory:
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -28,11 +29,20 @@ import numpy as np
 import onnxruntime as ort
 
 from .. import ort_kernels
+from . import w8a8_uint8
 from ..engine_dir import EngineDir, clip_to_float16_range
 from .base import ScheduledSeq, StepBatch, StepInputs, build_step_inputs, group_by_query_length
 
 _INPUT_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
                  "query_start_loc")
+
+
+def read_weight(engine: EngineDir, name: str) -> np.ndarray:
+    """One tensor of ``weights.bin`` (per the manifest's weight table), read alone."""
+    info = engine.manifest["weights"]
+    t = info["tensors"][name]
+    raw = np.fromfile(engine.file(info["file"]), dtype=np.uint8, count=t["nbytes"], offset=t["offset"])
+    return raw.view(np.dtype(t["dtype"])).reshape(t["shape"])
 
 
 def load_weights(engine: EngineDir) -> dict[str, np.ndarray]:
@@ -93,12 +103,18 @@ class OrtOptions:
             ``SiluAndMul``, ``AddBlockOffsets`` and ``QuantizedLinear`` nodes run them instead of their ONNX
             function bodies (same results within float32 rounding); without a C++ compiler
             the bodies run, with a warning.
+        w8a8_uint8_weights: give a w8a8 engine's integer GEMMs uint8 weights (``w + 128``, zero
+            point 128) instead of int8: ``None`` (the default) does where this CPU's uint8 x
+            int8 GEMM saturates (x86 without VNNI or AMX: AVX2, AVX-512 without VNNI; see
+            :mod:`trtllm_lite.runners.w8a8_uint8`). Same logits either way where int8 is exact;
+            uint8 costs ~10% of the GEMM rate and a second copy of the int8 weights in memory.
 
     Defaults can be set from the environment: ``TRTLLM_LITE_ORT_THREADS``,
     ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``, ``TRTLLM_LITE_ORT_MEM_ARENA`` (0/1),
     ``TRTLLM_LITE_ORT_ARENA_SHRINKAGE`` (0/1),
     ``TRTLLM_LITE_ORT_PREPACKING`` (0/1), ``TRTLLM_LITE_ORT_SPINNING`` (0/1),
-    ``TRTLLM_LITE_ORT_CUSTOM_KERNELS`` (0/1); see :meth:`from_env`.
+    ``TRTLLM_LITE_ORT_CUSTOM_KERNELS`` (0/1), ``TRTLLM_LITE_ORT_W8A8_UINT8_WEIGHTS`` (0/1); see
+    :meth:`from_env`.
     """
 
     intra_op_num_threads: int | None = None
@@ -108,6 +124,7 @@ class OrtOptions:
     enable_prepacking: bool = True
     allow_spinning: bool = True
     custom_kernels: bool = True
+    w8a8_uint8_weights: bool | None = None
 
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "OrtOptions":
@@ -126,7 +143,8 @@ class OrtOptions:
                   "arena_shrinkage": flag("TRTLLM_LITE_ORT_ARENA_SHRINKAGE"),
                   "enable_prepacking": flag("TRTLLM_LITE_ORT_PREPACKING"),
                   "allow_spinning": flag("TRTLLM_LITE_ORT_SPINNING"),
-                  "custom_kernels": flag("TRTLLM_LITE_ORT_CUSTOM_KERNELS")}
+                  "custom_kernels": flag("TRTLLM_LITE_ORT_CUSTOM_KERNELS"),
+                  "w8a8_uint8_weights": flag("TRTLLM_LITE_ORT_W8A8_UINT8_WEIGHTS")}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**{k: v for k, v in values.items() if v is not None})
 
@@ -195,7 +213,7 @@ def kernels_registered(options: OrtOptions) -> bool:
 
 def uses_prepacking(engine: EngineDir, options: OrtOptions) -> bool:
     """Whether sessions for ``engine`` repack their weights (see :class:`OrtOptions`)."""
-    if not options.enable_prepacking and is_quantized(engine):
+    if not options.enable_prepacking and is_quantized(engine) and engine.build.get("quantization") != "w8a8":
         warnings.warn("prepacking is off for a quantized engine: its MatMulNBits nodes (accuracy level 4, "
                       "or without trtllm-lite's kernels) will dequantize every weight on every call (slow)",
                       stacklevel=3)
@@ -220,15 +238,38 @@ def create_sessions(engine: EngineDir, num_threads: int | None = None,
         values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in weights.items()}
     sessions = {}
     files = files or graph_files(engine, options.accuracy_level, kernels_registered(options))
+    unsigned = uses_uint8_weights(engine, options)
     for kind, file in files.items():
         if kinds is not None and kind not in kinds:
             continue
         so = session_options(num_threads or options.intra_op_num_threads, prepacking,
                              options.enable_cpu_mem_arena, options.allow_spinning, options.custom_kernels)
+        model = engine.file(file)
+        if unsigned:   # the int8 weights leave the graph; their uint8 copies come in memory
+            model, uint8 = w8a8_uint8.uint8_weight_graph(
+                model, (lambda name: weights[name]) if weights is not None else
+                functools.partial(read_weight, engine))
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path", engine.path)
+            for name, w in uint8.items():   # (one copy for both sessions)
+                if name not in values:
+                    values[name] = ort.OrtValue.ortvalue_from_numpy(w)
+            so.add_external_initializers(list(uint8), [values[name] for name in uint8])
+            dropped = {name[:-len(w8a8_uint8.UINT8_SUFFIX)] for name in uint8}
         for name, value in values.items():
-            so.add_initializer(name, value)
-        sessions[kind] = ort.InferenceSession(engine.file(file), so, providers=["CPUExecutionProvider"])
+            if not name.endswith(w8a8_uint8.UINT8_SUFFIX) and not (unsigned and name in dropped):
+                so.add_initializer(name, value)
+        sessions[kind] = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     return sessions, values
+
+
+def uses_uint8_weights(engine: EngineDir, options: OrtOptions) -> bool:
+    """Whether sessions for ``engine`` give its integer GEMMs uint8 weights
+    (:attr:`OrtOptions.w8a8_uint8_weights`; only w8a8 engines have them)."""
+    if engine.build.get("quantization") != "w8a8":
+        return False
+    if options.w8a8_uint8_weights is not None:
+        return options.w8a8_uint8_weights
+    return w8a8_uint8.uint8_int8_gemm_saturates()
 
 
 class OnnxRuntimeRunner:
