@@ -400,6 +400,24 @@ inline void fwht(float* x, int64_t b) {
     }
     h = 16;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (b >= 8) {   // stages 1, 2, 4 within each 8-float vector, the same way
+    const __m256i idx = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    __m256i partner[3];
+    __m256 sign[3];
+    for (int s = 0; s < 3; ++s) {
+      const __m256i bit = _mm256_set1_epi32(1 << s);
+      partner[s] = _mm256_xor_si256(idx, bit);
+      const __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(idx, bit), bit));
+      sign[s] = _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(-1.0f), set);
+    }
+    for (int64_t i = 0; i < b; i += 8) {
+      __m256 v = _mm256_loadu_ps(x + i);
+      for (int s = 0; s < 3; ++s) v = _mm256_fmadd_ps(sign[s], v, _mm256_permutevar8x32_ps(v, partner[s]));
+      _mm256_storeu_ps(x + i, v);
+    }
+    h = 8;
+  }
 #endif
   for (; h < b; h *= 2)
     for (int64_t i = 0; i < b; i += 2 * h)
