@@ -591,6 +591,15 @@ def test_w8a8_uint8_weights_give_the_int8_weights_logits(tiny_model, prepacking,
         logits[unsigned] = OnnxRuntimeRunner(load_engine_dir(engine), 64, 1, options).execute(StepBatch(prefill=seqs))
     saturates = uint8_int8_gemm_saturates()
     assert uses_uint8_weights(load_engine_dir(engine), OrtOptions()) is saturates
+    import contextlib
+    import io
+
+    from trtllm_lite.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["info", "--engine", engine]) == 0
+    assert ("int8 weights loaded as uint8 + 128" in out.getvalue()) is saturates
     assert not uses_uint8_weights(load_engine_dir(float_engine), OrtOptions(w8a8_uint8_weights=True))
     if not saturates:
         np.testing.assert_array_equal(logits[True], logits[False])

@@ -34,6 +34,12 @@ def run(args: argparse.Namespace) -> int:
         planes = build.get("activation_planes") or 2
         print(f"quantized   w8a8 (int8 weights per output channel, activations as {planes} int8 "
               f"plane{'s' if planes > 1 else ''} per token), lm_head {'int8' if build.get('quantize_lm_head') else 'float'}")
+        if build["backend"] == "onnxruntime":
+            from ..runners.w8a8_uint8 import uint8_int8_gemm_saturates
+
+            print("            on this CPU: " + (
+                "int8 weights loaded as uint8 + 128 (ONNX Runtime's uint8 x int8 GEMM saturates here: no VNNI or AMX)"
+                if uint8_int8_gemm_saturates() else "int8 weights (ONNX Runtime's uint8 x int8 GEMM is exact here)"))
     elif quantization != "none":
         sources = sorted(set(m.get("quantization", {}).get("weights", {}).values()))
         levels = sorted({str(build.get("accuracy_level"))} | set(m.get("graph_variants", {}).get("accuracy_level", {})))
