@@ -177,7 +177,6 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     # engine.json is written last: a build stopped part way over an older engine leaves no
     # manifest, so the directory reads as unfinished ("engine.json is missing"), not as the old engine
     _remove_previous_build(output)
-    present_before = _file_mtimes(output)
     quantized = quantize_model(loaded, bc.quantization, bc.quant_block_size, bc.quant_symmetric,
                                bc.quantize_lm_head, bc.accuracy_level, log=_log,
                                activation_planes=bc.activation_planes or 2)
@@ -234,9 +233,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     }
     if tensorrt is not None:
         manifest["tensorrt"] = tensorrt
-    for name, mtime in sorted(_file_mtimes(output).items()):   # the files this build wrote
-        if name != MANIFEST and present_before.get(name) != mtime:
-            manifest["files"][name] = sha256_file(os.path.join(output, name))
+    for name in sorted(build_outputs(manifest)):   # the files this build wrote
+        manifest["files"][name] = sha256_file(os.path.join(output, name))
     with open(os.path.join(output, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     if bc.backend == "onnxruntime":
@@ -245,27 +243,36 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     return output
 
 
-def _file_mtimes(directory: str) -> dict[str, int]:
-    """{file name: st_mtime_ns} of the plain files in ``directory``."""
-    return {e.name: e.stat().st_mtime_ns for e in os.scandir(directory) if e.is_file()}
+def build_outputs(manifest: dict) -> set[str]:
+    """The files a build writes beside ``engine.json``, as its manifest names them: the graphs
+    and their variants, the weights, the tokenizer's files, a TensorRT plan and its typed graph."""
+    names = {g.get("file") for g in manifest.get("graphs", {}).values()}
+    variants = manifest.get("graph_variants", {})
+    for files in [*variants.get("accuracy_level", {}).values(), variants.get("custom_kernels") or {}]:
+        names.update(files.values())
+    names.add(manifest.get("weights", {}).get("file"))
+    names.update(manifest.get("tokenizer", {}).get("files", []))
+    if "tensorrt" in manifest:
+        names.update({manifest["tensorrt"].get("plan"), manifest["tensorrt"].get("graph")})
+    return {n for n in names if isinstance(n, str) and n and os.path.basename(n) == n}
 
 
 def _remove_previous_build(output: str) -> None:
-    """Delete the files an earlier build's manifest lists (and the manifest), so that a rebuild
-    with other options (another backend, no quantization) leaves none of them behind; files the
-    manifest does not list (the user's own) are kept. An unreadable manifest removes only itself."""
+    """Delete what an earlier build wrote here (:func:`build_outputs` of its manifest) and the
+    manifest, so that a rebuild with other options (another backend, no quantization) leaves
+    none of it behind; other files (the user's own) are kept. An unreadable manifest removes
+    only itself."""
     manifest_path = os.path.join(output, MANIFEST)
     if not os.path.isfile(manifest_path):
         return
     try:
         with open(manifest_path, encoding="utf-8") as f:
-            listed = json.load(f).get("files", {})
-    except (OSError, ValueError, AttributeError):
-        listed = {}
-    for name in listed if isinstance(listed, dict) else ():
-        path = os.path.join(output, name)
-        if os.path.basename(name) == name and os.path.isfile(path):   # a bare name inside output only
-            os.remove(path)
+            outputs = build_outputs(json.load(f))
+    except (OSError, ValueError, AttributeError, TypeError):
+        outputs = set()
+    for name in outputs:
+        if os.path.isfile(os.path.join(output, name)):
+            os.remove(os.path.join(output, name))
     os.remove(manifest_path)
 
 

@@ -677,8 +677,8 @@ def test_rotation_takes_only_the_llama_family(tiny_model):
 
 def test_rebuild_into_the_same_directory_leaves_no_file_of_the_old_build(tmp_path):
     """An int4 engine (with its accuracy-level graph variants) rebuilt in place as float32: the
-    old build's files are gone, the user's own file stays unlisted, and the engine loads with
-    its checksums verified."""
+    old build's files are gone, the user's own file stays (even where an older manifest listed
+    it) and is not listed, and the engine loads with its checksums verified."""
     from builder.build import build_engine
     from trtllm_lite.engine_dir import load_engine_dir
 
@@ -691,6 +691,11 @@ def test_rebuild_into_the_same_directory_leaves_no_file_of_the_old_build(tmp_pat
     assert "decode.acc4.onnx" in os.listdir(out)
     with open(os.path.join(out, "NOTES.txt"), "w") as f:
         f.write("kept")
+    with open(os.path.join(out, "engine.json")) as f:   # as builds before session 30 listed every file
+        manifest = json.load(f)
+    manifest["files"]["NOTES.txt"] = "0" * 64
+    with open(os.path.join(out, "engine.json"), "w") as f:
+        json.dump(manifest, f)
     build_engine(hf_dir, out, BuildConfig(**options))
     engine = load_engine_dir(out, verify_checksums=True)
     assert not [n for n in os.listdir(out) if ".acc" in n]

@@ -228,3 +228,16 @@ def test_engines_as_short_as_two_tokens_build_and_generate(tmp_path):
     # the runtime's max_seq_len has the same floor: no request fits in 1 token
     with pytest.raises(ValueError, match=r"max_seq_len must be an integer in \[2, 4\]"):
         LLM(engine, max_seq_len=1)
+
+
+def test_ort_options_from_the_environment():
+    """``TRTLLM_LITE_ORT_*``: 0/false/no/off and 1/yes, a number for the threads; set but
+    empty counts as unset (the default stays, e.g. the w8a8 probe decides)."""
+    env = {"TRTLLM_LITE_ORT_W8A8_UINT8_WEIGHTS": "", "TRTLLM_LITE_ORT_THREADS": " ",
+           "TRTLLM_LITE_ORT_SPINNING": "off", "TRTLLM_LITE_ORT_CUSTOM_KERNELS": "yes"}
+    o = OrtOptions.from_env(env)
+    assert o.w8a8_uint8_weights is None and o.intra_op_num_threads is None
+    assert o.allow_spinning is False and o.custom_kernels is True
+    o = OrtOptions.from_env({"TRTLLM_LITE_ORT_W8A8_UINT8_WEIGHTS": "0", "TRTLLM_LITE_ORT_THREADS": "3"},
+                            allow_spinning=False)
+    assert o.w8a8_uint8_weights is False and o.intra_op_num_threads == 3 and o.allow_spinning is False

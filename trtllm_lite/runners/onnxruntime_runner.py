@@ -129,13 +129,13 @@ class OrtOptions:
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "OrtOptions":
         """Options from ``TRTLLM_LITE_ORT_*`` variables, then ``overrides`` (``None`` skipped)."""
-        def flag(name):
-            v = environ.get(name)
-            return None if v is None else v.strip().lower() not in ("0", "false", "no", "off")
+        def flag(name):   # (set but empty counts as unset)
+            v = environ.get(name, "").strip()
+            return None if not v else v.lower() not in ("0", "false", "no", "off")
 
         def integer(name):
-            v = environ.get(name)
-            return None if v is None else int(v)
+            v = environ.get(name, "").strip()
+            return None if not v else int(v)
 
         values = {"intra_op_num_threads": integer("TRTLLM_LITE_ORT_THREADS"),
                   "accuracy_level": integer("TRTLLM_LITE_ORT_ACCURACY_LEVEL"),
