@@ -21,8 +21,12 @@ machine's drift between workers does not move.
 llama.cpp joins when ``llama-cpp-python`` is installed; it builds from source (~12 minutes on
 2 cores; the local package index has the sdist)::
 
+    pip install diskcache    # (llama_cpp imports it; --no-deps below leaves it out)
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DLLAMA_CURL=OFF" \
         pip install --no-cache-dir --force-reinstall --no-deps llama-cpp-python
+
+(on a CPU without AVX-512, e.g. a Zen 3: ``-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON`` in
+place of the two AVX-512 flags)
 
 (without ``GGML_NATIVE=OFF`` the build targets the host CPU, and on the Xeon VM with AMX that
 build's AMX matrix kernel died with SIGILL at its first ``tilezero``: Linux gives a process AMX
@@ -220,8 +224,8 @@ def main(argv=None) -> int:
         notes.append("onnxruntime-genai not installed (pip install onnxruntime-genai): skipped")
     if "llamacpp" not in skip and not LlamaCppPeer.available():
         skip.add("llamacpp")
-        notes.append("llama-cpp-python not installed (it builds llama.cpp from source, ~10 min on "
-                     "2 cores): llama.cpp skipped")
+        notes.append("llama-cpp-python not installed or not importable (it builds llama.cpp from source, "
+                     "~10 min on 2 cores; see tools/bench.py's docstring): llama.cpp skipped")
     if not {"hf", "genai"} <= skip:
         hf_dir = ensure_hf_dir(spec["gguf"], os.path.join(e, "hf-smollm2"))
         spec["hf_model"] = hf_dir

@@ -189,7 +189,12 @@ class LlamaCppPeer(Peer):
 
     @staticmethod
     def available() -> bool:
-        return importlib.util.find_spec("llama_cpp") is not None
+        """Installed and importable (a ``--no-deps`` install without ``diskcache`` is not)."""
+        try:
+            import llama_cpp  # noqa: F401
+        except Exception:   # (ImportError, or a library that does not load on this CPU)
+            return False
+        return True
 
     def _run(self, prompt: list[int], max_tokens: int) -> list[int]:
         self.llm.reset()
