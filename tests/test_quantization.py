@@ -571,16 +571,27 @@ def test_tiny_w8a8_engine_matches_its_arithmetic_and_is_batch_invariant(tiny_mod
 
 
 @pytest.mark.parametrize("prepacking,custom_kernels", [(True, True), (False, True), (True, False)])
-def test_w8a8_uint8_weights_give_the_int8_weights_logits(tiny_model, prepacking, custom_kernels):
+def test_w8a8_uint8_weights_give_the_int8_weights_logits(tiny_model, monkeypatch, prepacking, custom_kernels):
     """The integer GEMMs on uint8 weights (w + 128, zero point 128) compute the products that
     int8 weights do: where this CPU's uint8 x int8 GEMM is exact (VNNI, AMX) the logits are
     the same to the bit; where it saturates (AVX2: the probe says so) the int8 sessions'
     logits are wrong and the uint8 ones are HF's on the same arithmetic, which the runner
-    picks by default there."""
+    picks by default there. The uint8 arrays made for the sessions are zeroed once the
+    runner exists: ONNX Runtime holds its own copies (the runner keeps none)."""
+    from trtllm_lite.runners import w8a8_uint8
     from trtllm_lite.runners.onnxruntime_runner import OnnxRuntimeRunner, OrtOptions, uses_uint8_weights
     from trtllm_lite.runners.w8a8_uint8 import uint8_int8_gemm_saturates
     from trtllm_lite.engine_dir import load_engine_dir
 
+    made = []
+    rewrite = w8a8_uint8.uint8_weight_graph
+
+    def recording(*args, **kwargs):   # the real rewrite; its arrays kept to be zeroed
+        model, weights = rewrite(*args, **kwargs)
+        made.extend(weights.values())
+        return model, weights
+
+    monkeypatch.setattr(w8a8_uint8, "uint8_weight_graph", recording)
     hf, float_engine = tiny_model("llama-gqa")
     _, engine = tiny_model("llama-gqa", quantization="w8a8")
     prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30)]
@@ -588,7 +599,12 @@ def test_w8a8_uint8_weights_give_the_int8_weights_logits(tiny_model, prepacking,
     logits = {}
     for unsigned in (True, False):
         options = OrtOptions(enable_prepacking=prepacking, custom_kernels=custom_kernels, w8a8_uint8_weights=unsigned)
-        logits[unsigned] = OnnxRuntimeRunner(load_engine_dir(engine), 64, 1, options).execute(StepBatch(prefill=seqs))
+        runner = OnnxRuntimeRunner(load_engine_dir(engine), 64, 1, options)
+        assert bool(made) is unsigned
+        for w in made:
+            w[...] = 0
+        made.clear()
+        logits[unsigned] = runner.execute(StepBatch(prefill=seqs))
     saturates = uint8_int8_gemm_saturates()
     assert uses_uint8_weights(load_engine_dir(engine), OrtOptions()) is saturates
     import contextlib

@@ -107,7 +107,7 @@ class OrtOptions:
             point 128) instead of int8: ``None`` (the default) does where this CPU's uint8 x
             int8 GEMM saturates (x86 without VNNI or AMX: AVX2, AVX-512 without VNNI; see
             :mod:`trtllm_lite.runners.w8a8_uint8`). Same logits either way where int8 is exact;
-            uint8 costs ~10% of the GEMM rate and a second copy of the int8 weights in memory.
+            uint8 costs ~10% of the GEMM rate.
 
     Defaults can be set from the environment: ``TRTLLM_LITE_ORT_THREADS``,
     ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``, ``TRTLLM_LITE_ORT_MEM_ARENA`` (0/1),
@@ -239,26 +239,30 @@ def create_sessions(engine: EngineDir, num_threads: int | None = None,
     sessions = {}
     files = files or graph_files(engine, options.accuracy_level, kernels_registered(options))
     unsigned = uses_uint8_weights(engine, options)
+    converted: dict[str, np.ndarray] = {}   # uint8 weights, made once for both graphs
+    uint8: dict[str, np.ndarray] = {}
     for kind, file in files.items():
         if kinds is not None and kind not in kinds:
             continue
         so = session_options(num_threads or options.intra_op_num_threads, prepacking,
                              options.enable_cpu_mem_arena, options.allow_spinning, options.custom_kernels)
-        model = engine.file(file)
-        if unsigned:   # the int8 weights leave the graph; their uint8 copies come in memory
+        model, uint8 = engine.file(file), {}
+        if unsigned:   # the int8 weights leave the graph; their uint8 forms come in memory
             model, uint8 = w8a8_uint8.uint8_weight_graph(
                 model, (lambda name: weights[name]) if weights is not None else
-                functools.partial(read_weight, engine))
+                functools.partial(read_weight, engine), converted)
             so.add_session_config_entry("session.model_external_initializers_file_folder_path", engine.path)
-            for name, w in uint8.items():   # (one copy for both sessions)
-                if name not in values:
-                    values[name] = ort.OrtValue.ortvalue_from_numpy(w)
-            so.add_external_initializers(list(uint8), [values[name] for name in uint8])
-            dropped = {name[:-len(w8a8_uint8.UINT8_SUFFIX)] for name in uint8}
+            # ONNX Runtime copies these into the session (ONNX Runtime 1.32; checked by
+            # tests/test_quantization.py), so they are not kept past its creation
+            so.add_external_initializers(list(uint8), [ort.OrtValue.ortvalue_from_numpy(w) for w in uint8.values()])
+        int8 = {name[:-len(w8a8_uint8.UINT8_SUFFIX)] for name in uint8}
         for name, value in values.items():
-            if not name.endswith(w8a8_uint8.UINT8_SUFFIX) and not (unsigned and name in dropped):
+            if name not in int8:
                 so.add_initializer(name, value)
         sessions[kind] = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    if unsigned:
+        del converted, uint8
+        w8a8_uint8.return_freed_memory()
     return sessions, values
 
 
