@@ -113,7 +113,7 @@ def ort_int8_gemm_rate(n: int = 2048, num_threads: int | None = None, repeats: i
     a = rng.integers(0, 256, (n, n), dtype=np.uint8)
     b = rng.integers(-127, 128, (n, n), dtype=np.int8)
     unsigned = uint8_int8_gemm_saturates()
-    inits = [numpy_helper.from_array((b.astype(np.int16) + 128).astype(np.uint8) if unsigned else b, "b"),
+    inits = [numpy_helper.from_array(b.view(np.uint8) ^ np.uint8(0x80) if unsigned else b, "b"),
              numpy_helper.from_array(np.array(1.0, np.float32), "a_scale"),
              numpy_helper.from_array(np.full(n, 1e-3, np.float32), "b_scale"),
              numpy_helper.from_array(np.array(128, np.uint8), "zero_point")]

@@ -37,23 +37,23 @@ _INPUT_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "cont
                  "query_start_loc")
 
 
+def _tensor(raw: np.ndarray, entry: dict) -> np.ndarray:
+    """``raw`` (uint8 bytes) as the tensor a weight-table entry describes (dtype, shape)."""
+    return raw.view(np.dtype(entry["dtype"])).reshape(entry["shape"])
+
+
 def read_weight(engine: EngineDir, name: str) -> np.ndarray:
     """One tensor of ``weights.bin`` (per the manifest's weight table), read alone."""
     info = engine.manifest["weights"]
     t = info["tensors"][name]
-    raw = np.fromfile(engine.file(info["file"]), dtype=np.uint8, count=t["nbytes"], offset=t["offset"])
-    return raw.view(np.dtype(t["dtype"])).reshape(t["shape"])
+    return _tensor(np.fromfile(engine.file(info["file"]), dtype=np.uint8, count=t["nbytes"], offset=t["offset"]), t)
 
 
 def load_weights(engine: EngineDir) -> dict[str, np.ndarray]:
     """Read ``weights.bin`` once; return ``name -> view`` per the manifest's weight table."""
     info = engine.manifest["weights"]
     buffer = np.fromfile(engine.file(info["file"]), dtype=np.uint8)
-    views = {}
-    for name, t in info["tensors"].items():
-        raw = buffer[t["offset"]:t["offset"] + t["nbytes"]]
-        views[name] = raw.view(np.dtype(t["dtype"])).reshape(t["shape"])
-    return views
+    return {name: _tensor(buffer[t["offset"]:t["offset"] + t["nbytes"]], t) for name, t in info["tensors"].items()}
 
 
 def run_options() -> ort.RunOptions:
