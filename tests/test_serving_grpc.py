@@ -856,3 +856,22 @@ def test_the_tokenizing_pool_never_holds_the_process_at_exit():
             "DaemonPool(1, 't').submit(threading.Event().wait); print('exiting')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "exiting", done.stderr
+
+
+def test_a_request_cancelled_after_its_first_token_counts_in_ttft(local_llm):
+    """TTFT is observed at a request's first token, as vLLM does: a request cancelled after it
+    is in the histogram (it was counted only at a finish), and one cancelled before it is not."""
+    async def cancel_after_first_token(service):
+        params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+        gen = service.generate([1, 2, 3], params, "ttft-then-cancel")
+        while not any(o.token_ids for o in (await gen.__anext__()).outputs):
+            pass
+        await gen.aclose()
+
+    service, metrics = local_service(local_llm)
+    asyncio.run(cancel_after_first_token(service))
+    ttft = {s.name: s.value for m in metrics.registry.collect() for s in m.samples
+            if s.name.startswith("trtllm_lite_time_to_first_token_seconds")}
+    assert ttft["trtllm_lite_time_to_first_token_seconds_count"] == 1
+    assert 0 < ttft["trtllm_lite_time_to_first_token_seconds_sum"] < 60
+    assert registry_outcomes(metrics) == {"cancelled": 1.0}

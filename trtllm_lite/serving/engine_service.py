@@ -277,7 +277,8 @@ class EngineService:
         not ``cancelled``: gRPC cancels the handler at the client's deadline just as the
         request's own timer fires, and which one comes first is chance. Each request's outcome
         is counted once: closing it after its finished output was yielded adds nothing, and
-        ending it because another request of its ``batch`` failed adds nothing either.
+        ending it because another request of its ``batch`` failed adds nothing either. Its TTFT
+        is observed at its first token, as vLLM does, so a request cancelled later counts there too.
         """
         outcome = "internal"
         last_token_time = None
@@ -293,6 +294,8 @@ class EngineService:
                     if any(o.token_ids for o in out.outputs):
                         if last_token_time is not None:
                             self.metrics.inter_token_latency.observe(now - last_token_time)
+                        else:
+                            self.metrics.record_first_token(out)
                         last_token_time = now
                     acc.add(out)
                     if out.finished:

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from ..async_llm import AsyncLLM
+    from ..outputs import RequestOutput
     from .engine_service import Accumulator
 
 PREFIX = "trtllm_lite_"
@@ -110,11 +111,16 @@ class Metrics:
         """Read engine gauges from ``llm`` at scrape time."""
         self._engine.llm = llm
 
+    def record_first_token(self, out: "RequestOutput") -> None:
+        """Observe a request's TTFT (seconds) from its first output with tokens (``out``), when
+        that token comes, however the request ends later (vLLM observes it at the first token too)."""
+        if out.metrics is not None and out.metrics.ttft is not None:
+            self.time_to_first_token.observe(out.metrics.ttft)
+
     def record_finished(self, acc: "Accumulator") -> None:
+        """Observe a finished request's E2E, queue time and TPOT, and count its outcome."""
         m = acc.last.metrics
         timing = acc.timing_ms()
-        if m.ttft is not None:
-            self.time_to_first_token.observe(m.ttft)
         if m.e2e is not None:
             self.e2e_request_latency.observe(m.e2e)
         if "queue_ms" in timing:
