@@ -126,11 +126,13 @@ def build_kernel_library(variant: str, tmp_path_factory) -> str:
     """trtllm-lite's ONNX Runtime kernel library as the runtime builds it (``native``:
     ``-march=native``), with AVX-512 off (``avx2``: the AVX2 loops, where the CPU has AVX2,
     FMA and F16C; skipped where native already is that build), with AVX-512, AVX2 and F16C off
-    (``portable``: the loops other CPUs run), or with AVX-512 but not its VNNI instructions
-    (``no-vnni``: the float32 batch-1 loop of ``QuantizedLinear``); a skip with the reason
-    where it does not build or would be the same as another."""
+    (``portable``: the loops other CPUs run; it also reads input shapes as before ONNX Runtime
+    1.24, through a type-and-shape info object, ``TRTLLM_LITE_LEGACY_SHAPE_QUERY``), or with
+    AVX-512 but not its VNNI instructions (``no-vnni``: the float32 batch-1 loop of
+    ``QuantizedLinear``); a skip with the reason where it does not build or would be the same
+    as another."""
     from trtllm_lite.ort_kernels import KernelBuildError, build_library
-    flags = {"portable": ("-mno-avx512f", "-mno-avx2", "-mno-f16c"), "no-vnni": ("-mno-avx512vnni",), "avx2": ("-mno-avx512f",)}
+    flags = {"portable": ("-mno-avx512f", "-mno-avx2", "-mno-f16c", "-DTRTLLM_LITE_LEGACY_SHAPE_QUERY"), "no-vnni": ("-mno-avx512vnni",), "avx2": ("-mno-avx512f",)}
     cpu = cpu_flags()
     if variant == "avx2" and not {"avx2", "fma", "f16c"} <= cpu:
         pytest.skip("the AVX2 kernels need a CPU with AVX2, FMA and F16C")

@@ -149,6 +149,21 @@ def test_silu_and_mul_rejects_an_odd_width(kernel_library):
         sess.run(None, {"gate_up": np.zeros((2, 7), np.float32)})
 
 
+def test_kernels_read_any_rank_up_to_eight_and_name_the_input_past_it(kernel_library):
+    """Input shapes are read into an inline shape of up to 8 dimensions (without allocating,
+    where ONNX Runtime 1.24's shape reference is there; the portable build reads them the older
+    way): a rank-3 input gets the op's own shape error with its dimensions, a rank-9 input an
+    INVALID_ARGUMENT naming the input and the limit."""
+    node = helper.make_node(SILU_OP_TYPE, ["gate_up"], ["out"], domain=DOMAIN)
+    sess = one_node_session(node, [helper.make_tensor_value_info("gate_up", TensorProto.FLOAT, None)],
+                            [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], make_silu_function(),
+                            kernel_library)
+    with pytest.raises(Exception, match=r"gate_up \[1, 2, 8\] is not \[T, 2 \* I\]"):
+        sess.run(None, {"gate_up": np.zeros((1, 2, 8), np.float32)})
+    with pytest.raises(Exception, match=r"input 0 has rank 9, above the kernels' 8"):
+        sess.run(None, {"gate_up": np.zeros((1,) * 8 + (2,), np.float32)})
+
+
 def offsets_session(block_size, library=None):
     from builder.fused_ops import OFFSETS_OP_TYPE, make_offsets_function
 

@@ -99,9 +99,17 @@ enum Slot : size_t {
   kReleaseTensorTypeAndShapeInfo = 99,  // void (OrtTensorTypeAndShapeInfo*)
   kKernelContextParallelFor = 274,    // OrtStatus* (const OrtKernelContext*, void (*fn)(void*, size_t),
                                       //             size_t total, size_t num_batch, void* usr_data)
+  // API 24 (ONNX Runtime 1.24): a tensor's element type and a pointer to its shape, allocating
+  // nothing (GetTensorTypeAndShape allocates an info object to read them from)
+  kGetTensorElementTypeAndShapeDataReference = 414,   // OrtStatus* (const OrtValue*, ONNXTensorElementDataType* out,
+                                                       //             const int64_t** shape, size_t* rank)
 };
 
-// The API version requested: the newest slot above (KernelContext_ParallelFor) is in 1.17.
+// The API version of kGetTensorElementTypeAndShapeDataReference (read_input uses it where the
+// loaded ONNX Runtime has it, and the calls of API 17 otherwise).
+constexpr uint32_t kShapeReferenceApiVersion = 24;
+
+// The API version requested: the newest slot the kernels need (KernelContext_ParallelFor) is in 1.17.
 constexpr uint32_t kApiVersion = 17;
 
 template <typename Fn>

@@ -1,10 +1,22 @@
 // The library's entry point for ONNX Runtime (SessionOptions.register_custom_ops_library):
 // every kernel's op in the "trtllm_lite" domain, on the CPU execution provider.
+#include <cstdio>
+
 #include "kernel_common.h"
 
 namespace trtllm_lite_kernels {
 
 const OrtApi* g_api = nullptr;
+bool g_shape_reference = false;
+
+namespace {
+// Whether ONNX Runtime "major.minor.patch" has API version `api` (its API version is its minor
+// version in 1.x).
+bool has_api(const char* version, uint32_t api) {
+  unsigned major = 0, minor = 0;
+  return version && std::sscanf(version, "%u.%u", &major, &minor) == 2 && (major > 1 || minor >= api);
+}
+}  // namespace
 
 namespace {
 const OpSpec& spec_of(const OrtCustomOp* op) { return static_cast<const CustomOp*>(op)->spec; }
@@ -41,6 +53,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   using namespace trtllm_lite_kernels;
   g_api = base->GetApi(kApiVersion);
   if (g_api == nullptr) return nullptr;   // an older ONNX Runtime: the function bodies run
+  g_shape_reference = has_api(base->GetVersionString(), kShapeReferenceApiVersion);
   OrtCustomOpDomain* domain = nullptr;
   RETURN_IF_ERROR(slot<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(g_api, kCreateCustomOpDomain)(
       "trtllm_lite", &domain));
