@@ -162,6 +162,13 @@ DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
     (9, 3, 64, 16, [530, 5, 64], [1, 1, 1]),
     (9, 3, 64, 16, [256, 255], [1, 1]),
     (9, 3, 64, 16, [127], [1]),
+    # one sequence: even chunks, as many as the cores or a multiple (an odd block count; a
+    # context ending on a block boundary; two and three blocks; under 64 KiB of K/V: one thread)
+    (9, 3, 64, 16, [143], [1]),
+    (9, 3, 64, 16, [160], [1]),
+    (9, 3, 64, 16, [48], [1]),
+    (9, 3, 64, 16, [33], [1]),
+    (9, 3, 64, 16, [40], [1]),
     # 8 sequences or more: a work item per sequence (all KV heads) instead of per head
     (9, 3, 64, 16, [200, 0, 17, 64, 3, 150, 90, 33, 1, 400, 16, 77], [1] * 12),
     (6, 2, 20, 4, [1, 30, 4, 64, 13, 0, 7, 22, 9], [1] * 9),

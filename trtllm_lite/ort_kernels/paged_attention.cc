@@ -1097,16 +1097,30 @@ OrtStatus* run_decode(OrtKernelContext* context, DecodeStep<KV>& step, int64_t S
   // faster than per-head items at 8-64 sequences on 2 cores); with fewer sequences, a work
   // item per (sequence, KV head) keeps the threads busy
   step.heads_per_item = S >= kMinSequencesPerItemSplit ? Hkv : 1;
+  // one thread below ~64 KiB of keys and values (waking the pool costs more than it saves: the
+  // rule of QuantizedLinear's batch 1)
+  int64_t kv_bytes = 0;
+  for (int64_t s = 0; s < S; ++s) kv_bytes += step.context_lens[s] * Hkv * D * 2 * static_cast<int64_t>(sizeof(KV));
+  const bool serial = kv_bytes < (64 << 10);
 #if defined(__AVX512F__) || defined(TRTLLM_LITE_AVX2)
   // few sequences: chunks of the context over all KV heads (contiguous pool rows, every core
-  // busy) instead of an item per KV head, where there are blocks enough to share
+  // busy) instead of an item per KV head, where there are blocks enough to share. One sequence
+  // (batch-1 latency): a multiple of the cores' count of even chunks, of kMinChunkBlocks blocks
+  // or more where the context has them, so that every core works to the end (the rule below
+  // gave 2 : 1 of the work at 129-192 tokens; SmolLM2 int4 batch 1 there 1.035x a step, level
+  // at 640); a few: chunks of kMinChunkBlocks or more, about two items per core.
   int64_t longest = 0;
   for (int64_t s = 0; s < S; ++s) longest = std::max(longest, (step.context_lens[s] + B - 1) / B);
-  const int64_t want = static_cast<int64_t>(2 * available_cores());
-  if (S < kMinSequencesPerItemSplit && (D == 16 || D == 32 || D == 64 || D == 128) && S < want &&
-      longest >= 2 * kMinChunkBlocks) {
+  const int64_t cores = static_cast<int64_t>(available_cores()), want = 2 * cores;
+  const bool chunkable = D == 16 || D == 32 || D == 64 || D == 128;
+  if (chunkable && S == 1 && cores > 1 && !serial && longest >= cores) {
+    const int64_t chunks = cores * std::max<int64_t>(1, longest / (cores * kMinChunkBlocks));
+    step.chunk_blocks = (longest + chunks - 1) / chunks;
+  } else if (chunkable && S < kMinSequencesPerItemSplit && S < want && longest >= 2 * kMinChunkBlocks) {
     const int64_t per_seq = (want + S - 1) / S;
     step.chunk_blocks = std::max(kMinChunkBlocks, (longest + per_seq - 1) / per_seq);
+  }
+  if (step.chunk_blocks > 0) {
     step.chunks_per_seq = (longest + step.chunk_blocks - 1) / step.chunk_blocks;
     thread_local std::vector<float> partial;
     partial.resize(static_cast<size_t>(S * step.chunks_per_seq * H * (D + 2)));
@@ -1118,12 +1132,7 @@ OrtStatus* run_decode(OrtKernelContext* context, DecodeStep<KV>& step, int64_t S
     return nullptr;
   }
 #endif
-  // one thread below ~64 KiB of keys and values (waking the pool costs more than it saves: the
-  // rule of QuantizedLinear's batch 1)
-  int64_t kv_bytes = 0;
-  for (int64_t s = 0; s < S; ++s) kv_bytes += step.context_lens[s] * Hkv * D * 2 * static_cast<int64_t>(sizeof(KV));
-  return parallel_for(context, attend<KV>, static_cast<size_t>(S * Hkv / step.heads_per_item), &step,
-                      kv_bytes < (64 << 10));
+  return parallel_for(context, attend<KV>, static_cast<size_t>(S * Hkv / step.heads_per_item), &step, serial);
 }
 
 // A decode step (token s is sequence s's) over these tensors (shapes: the op's inputs).
