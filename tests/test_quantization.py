@@ -141,7 +141,8 @@ def test_matmul_nbits_computes_the_dequantized_weight(case):
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 70])
 def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, case, rows):
     """The ONNX Runtime graphs' 4-bit linear, one ``QuantizedLinear`` node: its C++ kernel
-    (every build: batch-1 paths, up to 4 rows in one pass on AVX2, and tiled paths, 16-row
+    (every build: batch-1 paths, up to 4 rows in one pass on AVX2 and one after another with
+    AVX-512 VNNI, and tiled paths, 16-row
     groups with a partial last one where N is 37, K padded to whole blocks where it is 100)
     and its function body (MatMulNBits + AddBlockOffsets) against x @ dequant(W)^T in float64."""
     q = case_weight(case, n=37)
