@@ -119,6 +119,23 @@ def cpu_flags() -> set:
         return set()
 
 
+_PROFILE_DIR: list[str] = []
+
+
+def profile_prefix() -> str:
+    """``SessionOptions.profile_file_prefix`` in a directory of this test process's own (removed
+    at exit): ONNX Runtime names a profile by its millisecond, so two test runs on one machine
+    sharing a prefix could write, and remove, each other's file (QA, session 32)."""
+    if not _PROFILE_DIR:
+        import atexit
+        import shutil
+        import tempfile
+
+        _PROFILE_DIR.append(tempfile.mkdtemp(prefix="trtllm_lite_test_profiles_"))
+        atexit.register(shutil.rmtree, _PROFILE_DIR[0], True)
+    return os.path.join(_PROFILE_DIR[0], "profile")
+
+
 _KERNEL_LIBRARIES: dict[str, str] = {}   # variant -> path: each build once per session (~15 s each)
 
 

@@ -2,7 +2,6 @@
 bodies against numpy."""
 import json
 import os
-import tempfile
 
 import numpy as np
 import onnxruntime as ort
@@ -12,6 +11,7 @@ from onnx import TensorProto, helper
 from builder.fused_ops import ROTARY_OP_TYPE, SILU_OP_TYPE, make_rotary_function, make_silu_function
 from builder.onnx_graph import OPSET
 from builder.paged_attention import DOMAIN
+from tests.conftest import profile_prefix
 
 
 def one_node_session(node, inputs, outputs, function, library=None):
@@ -23,7 +23,7 @@ def one_node_session(node, inputs, outputs, function, library=None):
                                              helper.make_opsetid("com.microsoft", 1)])
     so = ort.SessionOptions()
     so.enable_profiling = True
-    so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "trtllm_lite_test_profile")
+    so.profile_file_prefix = profile_prefix()
     if library:
         so.register_custom_ops_library(library)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -1,7 +1,6 @@
 """The PagedAttention ONNX function body against the float64 numpy reference."""
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from builder.onnx_graph import OPSET, NodeWriter
 from builder.paged_attention import (DOMAIN, INPUT_NAMES, METADATA_NAMES, OP_TYPE, make_onnx_functions,
                                      reference_paged_attention, write_attention_metadata,
                                      write_kv_reference)
+from tests.conftest import profile_prefix
 
 
 def single_op_session(num_heads, num_kv_heads, head_dim, metadata=False, decode_path=False,
@@ -207,7 +207,7 @@ def kernel_session(kernel_library, heads, kv_heads, head_dim, metadata=True, pro
     so = ort.SessionOptions()
     so.register_custom_ops_library(kernel_library)
     so.enable_profiling = profile
-    so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "trtllm_lite_test_profile")
+    so.profile_file_prefix = profile_prefix()
     return single_op_session(heads, kv_heads, head_dim, metadata, metadata, so, pool_type)
 
 
@@ -396,6 +396,18 @@ def _with_library(library):
     so = ort.SessionOptions()
     so.register_custom_ops_library(library)
     return so
+
+
+@pytest.mark.parametrize("qlens", [[1], [2]], ids=["decode", "prefill"])
+def test_kernel_rejects_pools_of_empty_blocks(kernel_library, qlens):
+    """Pools whose blocks hold no slots (dimension 1 is 0), with an empty context (the only one
+    such pools could hold): an INVALID_ARGUMENT naming the pools, not a division by zero (it
+    killed the process with SIGFPE: QA, session 32)."""
+    sess = kernel_session(kernel_library, 4, 2, 16, metadata=False)
+    step = random_step(np.random.default_rng(6), [0], qlens, 4, 2, 16, 4)
+    step["key_cache"], step["value_cache"] = (np.zeros((4, 0, 2, 16), np.float32) for _ in range(2))
+    with pytest.raises(Exception, match=r"key_cache / value_cache hold blocks of 0 slots"):
+        sess.run(None, step)
 
 
 @pytest.mark.parametrize("key_type,value_type", [(np.float16, np.float32), (np.float64, np.float64)],

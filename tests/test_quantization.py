@@ -2,7 +2,6 @@
 reads, and quantized engines against float references (the fp32 engine, HF transformers)."""
 import json
 import os
-import tempfile
 
 import numpy as np
 import onnxruntime as ort
@@ -23,7 +22,7 @@ from builder.rotation import DOWN_ROTATION, rotate_activations
 from trtllm_lite import LLM, SamplingParams
 from trtllm_lite.runners.base import ScheduledSeq, StepBatch
 
-from .conftest import SMOLLM2, build
+from .conftest import SMOLLM2, build, profile_prefix
 
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
@@ -94,7 +93,7 @@ def run_linear(q, x, accuracy_level=0, library=False):
     so.intra_op_num_threads = 1 if not ort_ops else 2
     if ort_ops:
         so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "trtllm_lite_test_profile")
+        so.profile_file_prefix = profile_prefix()
         if library:
             so.register_custom_ops_library(library)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -1208,6 +1208,8 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   const int64_t T = t[0].dims[0], H = t[0].dims[1], D = t[0].dims[2];
   const int64_t Hkv = t[1].dims[1], N = t[3].dims[0], B = t[3].dims[1], S = t[6].dims[0], M = t[6].dims[1];
   const Dims kv_dims{T, Hkv, D}, pool_dims{N, B, Hkv, D};
+  if (B < 1)   // (the block walks divide by it)
+    return invalid("key_cache / value_cache hold blocks of " + std::to_string(B) + " slots (dimension 1); at least 1");
   if (Hkv <= 0 || H % Hkv != 0)
     return invalid("query heads " + std::to_string(H) + " are not a multiple of key heads " + std::to_string(Hkv));
   if (t[1].dims != kv_dims || t[2].dims != kv_dims)
