@@ -57,7 +57,8 @@
 //     (c broadcast; a code becomes a float by one permute: vpermps reads the low 4 bits of
 //     each index lane, so the 16-entry table {0, 1, ..., 15} turns codes into floats without
 //     masking or converting; the other columns: a shift first).
-//   M > 1 (compute-bound as M grows): w = q * scale + offset (the dequantized float32 weight,
+//   M = 2-4, AVX-512 VNNI: the M = 1 loop, one row after another (Kernel::compute).
+//   M > 1 otherwise (compute-bound as M grows): w = q * scale + offset (the dequantized float32 weight,
 //     one rounding) for two groups, once per work item of up to 64 rows into a panel in L2,
 //     then register tiles of up to 8 rows of x x 32 outputs over it.
 #include <sys/mman.h>
