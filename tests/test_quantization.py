@@ -155,6 +155,26 @@ def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, cas
     assert ("MatMulNBits" in ran) is (op_library is None)
 
 
+@pytest.mark.parametrize("case", [("gguf", "Q4_1"), ("split", "Q8_0"), (4, 32, False), (4, 16, True)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_quantized_linear_two_to_four_rows_equal_each_row_alone_with_vnni(tmp_path_factory, case):
+    """With AVX-512 VNNI (the native build), 2-4 rows of x run the batch-1 loop one row after
+    another (not the float32 panels): each output row is bit-equal to that row's batch-1 output
+    (N 37: a partial 16-row group; K 100: a padded block), and within 1e-5 of float64."""
+    from tests.conftest import build_kernel_library, cpu_flags
+    if "avx512_vnni" not in cpu_flags():
+        pytest.skip("the 2-4 row path is the AVX-512 VNNI build's")
+    library = build_kernel_library("native", tmp_path_factory)
+    q = case_weight(case, n=37)
+    x = np.random.default_rng(11).standard_normal((4, q.k)).astype(np.float32)
+    alone = np.concatenate([run_linear(q, x[i:i + 1], library=library)[0] for i in range(4)])
+    for rows in (2, 3, 4):
+        got, _ = run_linear(q, x[:rows], library=library)
+        np.testing.assert_array_equal(got, alone[:rows])
+    expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
+    np.testing.assert_allclose(alone, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 @pytest.mark.parametrize("case", [(4, 32, False), ("split", 8, 32, False)], ids=["int4", "split8"])
 def test_quantized_linear_batch1_streams_cover_every_group(op_library, case):
     """Batch 1 over a weight large enough to be shared by the threads (46 16-row groups, the
