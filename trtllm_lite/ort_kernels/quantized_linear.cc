@@ -1185,32 +1185,37 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   // M = 1: x centered per block (gemv_group*; the portable loops take x as it is). With VNNI,
   // up to kVnniGemvRows rows take that path one after another, each streaming the weights
   // again: the M > 1 panels dequantize every weight to float32 each step, which cost SmolLM2
-  // int4 ~4x a batch-1 step at 4 sequences (Xeon and Zen 4 VMs, TPOT 4.3 -> 18.6 ms)
+  // int4 ~4x a batch-1 step at 4 sequences (TPOT 4.3 -> 18.6 ms on a Xeon VM, 4.9 -> 24.4 on Zen 4)
 #ifdef TRTLLM_LITE_VNNI
   const int64_t one_row_at_a_time = kVnniGemvRows;
 #else
   const int64_t one_row_at_a_time = 1;
 #endif
   if (st.rows <= one_row_at_a_time) {
-    const Step all = st;
-    for (int64_t r = 0; r < all.rows; ++r) {
-      st.rows = 1;
-      st.x = all.x + r * all.ldx;
-      st.y = all.y + r * n;
-      means.resize(static_cast<size_t>(nb));
-      centered_sums.resize(static_cast<size_t>(nb));
-      st.means = means.data();
-      st.centered_sums = centered_sums.data();
+    means.resize(static_cast<size_t>(nb));
+    centered_sums.resize(static_cast<size_t>(nb));
+    st.means = means.data();
+    st.centered_sums = centered_sums.data();
 #ifdef TRTLLM_LITE_VNNI
-      planes.resize(static_cast<size_t>(nb * kPlanes * packed.width()));
-      factors.resize(static_cast<size_t>(2 * nb));
-      integer_planes(st.x, nb, block_size, packed.width(), means.data(), planes.data(), factors.data(),
-                     centered_sums.data());
-      st.planes = planes.data();
-      st.factors = factors.data();
+    planes.resize(static_cast<size_t>(nb * kPlanes * packed.width()));
+    factors.resize(static_cast<size_t>(2 * nb));
+    st.planes = planes.data();
+    st.factors = factors.data();
 #else
-      centered.resize(static_cast<size_t>(width));
-      center_blocks(st.x, nb, block_size, means.data(), centered.data(), centered_sums.data());
+    centered.resize(static_cast<size_t>(width));
+#endif
+    const int64_t rows = st.rows;
+    const float* x_rows = st.x;
+    float* y_rows = st.y;
+    st.rows = 1;
+    for (int64_t r = 0; r < rows; ++r) {   // (each row's planes / centered x reuse one buffer)
+      st.y = y_rows + r * n;
+#ifdef TRTLLM_LITE_VNNI
+      st.x = x_rows + r * st.ldx;
+      integer_planes(st.x, nb, block_size, packed.width(), means.data(), planes.data(),
+                     factors.data(), centered_sums.data());
+#else
+      center_blocks(x_rows + r * st.ldx, nb, block_size, means.data(), centered.data(), centered_sums.data());
       st.x = centered.data();
 #endif
       RETURN_IF_ERROR(run_gemv(context, st));

@@ -16,9 +16,7 @@ bool has_api(const char* version, uint32_t api) {
   unsigned major = 0, minor = 0;
   return version && std::sscanf(version, "%u.%u", &major, &minor) == 2 && (major > 1 || minor >= api);
 }
-}  // namespace
 
-namespace {
 const OpSpec& spec_of(const OrtCustomOp* op) { return static_cast<const CustomOp*>(op)->spec; }
 }  // namespace
 
