@@ -331,7 +331,8 @@ def one_node_session(node, types: dict, library: str) -> ort.InferenceSession:
 
 
 def test_quantized_linear_rejects_mismatched_shapes(kernel_library):
-    """A node whose tensors do not fit its attributes fails with the shapes named."""
+    """A node whose tensors do not fit its attributes fails with the shapes named, also a weight
+    that keeps its address with another shape; the node goes on with good tensors."""
     from builder.fused_ops import QUANTIZED_LINEAR_OP_TYPE
     from builder.paged_attention import DOMAIN
 
@@ -349,6 +350,12 @@ def test_quantized_linear_rejects_mismatched_shapes(kernel_library):
         sess.run(None, dict(feed, x=np.ones((2, 48), np.float32)))
     with pytest.raises(Exception, match=r"zero_points \[36\]"):
         sess.run(None, dict(feed, zero_points=np.full(36, 0x88, np.uint8)))
+    # a weight at the address it had, with another shape (a view of its first rows): checked,
+    # not computed from the weights repacked before (QA, session 32)
+    np.testing.assert_allclose(sess.run(None, feed)[0], expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match=r"qweight \[36, 2, 16\]"):
+        sess.run(None, dict(feed, qweight=feed["qweight"][:36]))
+    np.testing.assert_allclose(sess.run(None, feed)[0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_split8_node_reads_x_once_as_an_8bit_weight(kernel_library):

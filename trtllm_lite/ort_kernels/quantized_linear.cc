@@ -976,6 +976,7 @@ struct Kernel : KernelBase {
   bool split8 = false;      // QuantizedLinearSplit8: a split 8-bit weight, x [M, K / 2] (file comment)
   std::mutex mutex;
   std::array<const void*, 4> packed_from{};   // the weight inputs' data `packed` was made from
+  std::array<Dims, 4> packed_dims{};          // and their shapes
   size_t num_weights() const { return with_offsets ? 4 : 3; }
   std::string description() const {   // for errors: the op and its attributes
     return std::string(split8 ? "QuantizedLinearSplit8" : with_offsets ? "QuantizedLinearWithOffsets" : "QuantizedLinear") +
@@ -1132,6 +1133,7 @@ OrtStatus* Kernel::check_and_pack(OrtKernelContext* context) {
   packed_from = {};   // until the repack succeeds
   RETURN_IF_ERROR(pack(q, s, z, o, nbo));
   packed_from = {q, s, z, o};
+  packed_dims = {qweight.dims, scales.dims, zero_points.dims, offsets.dims};
   return nullptr;
 }
 
@@ -1148,16 +1150,16 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(data_of(x.value, &x_data));
   {
     // the weights are constants: their shapes are checked and the data repacked at the first
-    // call, or when a weight input's data moves (later calls read only x's shape: shape
-    // queries allocate)
+    // call, or when a weight input's data or shape changes (a weight fed as a graph input can
+    // keep its address with another shape: QA, session 32)
     std::lock_guard<std::mutex> lock(mutex);
     bool same = true;
     for (size_t i = 0; i < num_weights(); ++i) {
-      const OrtValue* value = nullptr;
+      Tensor weight;
       const void* data = nullptr;
-      RETURN_IF_ERROR(input_value(context, i + 1, &value));
-      RETURN_IF_ERROR(data_of(value, &data));
-      same = same && data == packed_from[i];
+      RETURN_IF_ERROR(read_input(context, i + 1, &weight));
+      RETURN_IF_ERROR(data_of(weight.value, &data));
+      same = same && data == packed_from[i] && weight.dims == packed_dims[i];
     }
     if (!same) RETURN_IF_ERROR(check_and_pack(context));
   }
