@@ -66,6 +66,7 @@ def test_parse_inputs_maps_to_sampling_params():
     ({"text_input": obj(PROMPT), "max_tokens": np.array([[1]], np.int32), "stream": np.array([[1]], np.int32)},
      "'stream' must be BOOL"),
     ({"text_input": np.array([[5]], np.int32), "max_tokens": np.array([[1]], np.int32)}, "'text_input' must be BYTES"),
+    ({"text_input": obj(""), "max_tokens": np.array([[1]], np.int32)}, "'text_input' is empty"),
     ({"text_input": obj(PROMPT), "max_tokens": np.array([[1]], np.int32), "cache_salt": np.array([[3]], np.int32)},
      "'cache_salt' must be BYTES"),
 ])

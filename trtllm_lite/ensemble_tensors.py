@@ -234,6 +234,8 @@ def parse_inputs(inputs: Mapping[str, np.ndarray], encode: Callable[[str], list[
             raise ValueError(f"input tensor {spec.name!r} is required")
     text = np.asarray(inputs["text_input"])
     req = EnsembleRequest(prompt=_text(_scalar("text_input", text)), batched=text.ndim >= 2)
+    if not req.prompt:
+        raise ValueError("input tensor 'text_input' is empty: the prompt needs at least one token")
     flags = ("stream", "exclude_input_in_output", "return_log_probs", "return_num_input_tokens",
              "return_num_output_tokens", "return_perf_metrics")
     for name in flags:
