@@ -223,7 +223,7 @@ def parse_inputs(inputs: Mapping[str, np.ndarray], encode: Callable[[str], list[
     Raises:
         ValueError: an unknown tensor, a missing required one, a batch of more than one,
             a value of the wrong kind (e.g. a float ``max_tokens``), ``beam_width`` != 1,
-            text that is not UTF-8, or words ``check_words`` refuses. The message names the
+            an empty or non-UTF-8 ``text_input``, or words ``check_words`` refuses. The message names the
             tensor.
     """
     unknown = sorted(set(inputs) - set(INPUTS_BY_NAME))
