@@ -140,8 +140,8 @@ def test_matmul_nbits_computes_the_dequantized_weight(case):
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 70])
 def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, case, rows):
     """The ONNX Runtime graphs' 4-bit linear, one ``QuantizedLinear`` node: its C++ kernel
-    (every build: batch-1 paths, up to 4 rows in one pass on AVX2 and one after another with
-    AVX-512 VNNI, and tiled paths, 16-row
+    (every build: batch-1 paths, up to 4 rows in one pass on AVX2 and with AVX-512 VNNI (which
+    takes 5 as passes of 4 and 1), and tiled paths, 16-row
     groups with a partial last one where N is 37, K padded to whole blocks where it is 100)
     and its function body (MatMulNBits + AddBlockOffsets) against x @ dequant(W)^T in float64."""
     q = case_weight(case, n=37)
@@ -157,35 +157,38 @@ def test_quantized_linear_kernel_computes_the_dequantized_weight(op_library, cas
 
 @pytest.mark.parametrize("case", [("gguf", "Q4_1"), ("split", "Q8_0"), (4, 32, False), (4, 16, True)],
                          ids=lambda c: "-".join(map(str, c)))
-def test_quantized_linear_two_to_four_rows_equal_each_row_alone_with_vnni(tmp_path_factory, case):
-    """With AVX-512 VNNI (the native build), 2-4 rows of x run the batch-1 loop one row after
-    another (not the float32 panels): each output row is bit-equal to that row's batch-1 output
-    (N 37: a partial 16-row group; K 100: a padded block), and within 1e-5 of float64."""
+def test_quantized_linear_two_to_eight_rows_equal_each_row_alone_with_vnni(tmp_path_factory, case):
+    """With AVX-512 VNNI (the native build), 2-8 rows of x run the batch-1 loop, up to 4 rows in
+    one pass over the weights (not the float32 panels): each output row is bit-equal to that
+    row's batch-1 output (N 37: a partial 16-row group; K 100: a padded block), and within 1e-5
+    of float64."""
     from tests.conftest import build_kernel_library, cpu_flags
     if "avx512_vnni" not in cpu_flags():
-        pytest.skip("the 2-4 row path is the AVX-512 VNNI build's")
+        pytest.skip("the 2-8 row path is the AVX-512 VNNI build's")
     library = build_kernel_library("native", tmp_path_factory)
     q = case_weight(case, n=37)
-    x = np.random.default_rng(11).standard_normal((4, q.k)).astype(np.float32)
-    alone = np.concatenate([run_linear(q, x[i:i + 1], library=library)[0] for i in range(4)])
-    for rows in (2, 3, 4):
+    x = np.random.default_rng(11).standard_normal((8, q.k)).astype(np.float32)
+    alone = np.concatenate([run_linear(q, x[i:i + 1], library=library)[0] for i in range(8)])
+    for rows in range(2, 9):
         got, _ = run_linear(q, x[:rows], library=library)
         np.testing.assert_array_equal(got, alone[:rows])
     expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
     np.testing.assert_allclose(alone, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("rows", [1, 3, 6])
 @pytest.mark.parametrize("case", [(4, 32, False), ("split", 8, 32, False)], ids=["int4", "split8"])
-def test_quantized_linear_batch1_streams_cover_every_group(op_library, case):
-    """Batch 1 over a weight large enough to be shared by the threads (46 16-row groups, the
-    last partial; > 64 KiB): each thread reads its contiguous range of groups as several
-    interleaved streams (gemv_groups_vnni), parts of unequal length; every output row must
-    still be x @ dequant(W)^T (float64)."""
+def test_quantized_linear_batch1_streams_cover_every_group(op_library, case, rows):
+    """Batch 1 (and the few rows that take its loop with VNNI: 3, and 6 as passes of 4 and 2)
+    over a weight large enough to be shared by the threads (46 16-row groups, the last
+    partial; > 64 KiB): each thread reads its contiguous range of groups as several interleaved
+    streams (gemv_groups_vnni), parts of unequal length; every output row must still be
+    x @ dequant(W)^T (float64)."""
     n, k = 16 * 45 + 7, 256
     w = random_weight(n, k=k)
     q = quantize_weight(w, *case[1:]) if case[0] == "split" else quantize_weight(w, *case)
     q = split_8bit(q) if case[0] == "split" else q
-    x = np.random.default_rng(5).standard_normal((1, q.k)).astype(np.float32)
+    x = np.random.default_rng(5).standard_normal((rows, q.k)).astype(np.float32)
     expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
     got, _ = run_linear(q, x, library=op_library)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())

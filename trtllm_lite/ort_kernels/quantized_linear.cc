@@ -57,7 +57,8 @@
 //     (c broadcast; a code becomes a float by one permute: vpermps reads the low 4 bits of
 //     each index lane, so the 16-entry table {0, 1, ..., 15} turns codes into floats without
 //     masking or converting; the other columns: a shift first).
-//   M = 2-4, AVX-512 VNNI: the M = 1 loop, one row after another (Kernel::compute).
+//   M = 2-8, AVX-512 VNNI: the M = 1 loop over up to 4 rows' planes in one pass over the
+//     weights (two passes for 5-8; Kernel::compute): each row's sums are its batch-1 sums.
 //   M > 1 otherwise (compute-bound as M grows): w = q * scale + offset (the dequantized float32 weight,
 //     one rounding) for two groups, once per work item of up to 64 rows into a panel in L2,
 //     then register tiles of up to 8 rows of x x 32 outputs over it.
@@ -88,7 +89,8 @@ constexpr int64_t kChunkBytes = 64;  // one vector: 16 rows x 8 columns of 4-bit
 constexpr int64_t kPrefetchBytes = 8192;   // the batch-1 loops (VNNI, AVX2): L2 prefetch distance
 constexpr int kPlanes = 4;   // bytes of x's 32-bit integers (gemv_groups_vnni)
 constexpr int64_t kStreams = 4;   // the batch-1 VNNI loop's weight streams per work item
-constexpr int64_t kVnniGemvRows = 4;   // rows of x the VNNI batch-1 loop takes one at a time (Kernel::compute)
+constexpr int64_t kVnniPassRows = 4;   // rows of x one pass of the VNNI batch-1 loop takes (gemv_groups_vnni)
+constexpr int64_t kVnniGemvRows = 8;   // up to this many rows take the VNNI loop, in passes (Kernel::compute)
 
 // Every node's repacked weights come from shared slabs, 2 MiB-aligned, that ask the kernel for
 // transparent 2 MiB pages (madvise; advice only): the weights are streamed whole every step, and
@@ -202,13 +204,13 @@ inline int code_at(const Packed& w, const uint8_t* block, int64_t lane, int64_t 
 struct Step {
   const Packed* w;
   const float* x;      // [M, ldx >= nb * block_size]: x, zero-padded to whole blocks if needed
-  const float* means;  // M = 1 (AVX-512 build): [nb] block means of x, which x then holds
-                       // centered per block (gemv_group)
-  const float* centered_sums;   // M = 1 (AVX-512 build): [nb] sum_k c_k of the centered x as
-                                // the loops read it (not 0 where the mean is inexact)
-  const uint8_t* planes;   // M = 1 (VNNI): [nb][4][chunks * 8] the byte planes of C + 2^31
-  const float* factors;    // VNNI, M = 1: [nb][2] 2^-s_b as two factors
-  int64_t range_items;     // VNNI, M = 1: work items, each a contiguous range of groups
+  const float* means;  // M = 1 (AVX-512 build; VNNI: [M][nb], M <= kVnniPassRows): [nb] block
+                       // means of x, which x then holds centered per block (gemv_group)
+  const float* centered_sums;   // as means: [nb] sum_k c_k of the centered x as the loops read
+                                // it (not 0 where the mean is inexact)
+  const uint8_t* planes;   // VNNI, M <= kVnniPassRows: [M][nb][4][chunks * 8] the byte planes of C + 2^31
+  const float* factors;    // VNNI, M <= kVnniPassRows: [M][nb][2] 2^-s_b as two factors
+  int64_t range_items;     // VNNI, M <= kVnniPassRows: work items, each a contiguous range of groups
   const int32_t* pairs;    // AVX2, M <= 4: [rows][nb * width] x's int16 pairs (x_pairs_avx2)
   const double* block_terms;   // AVX2, M <= 4: [rows][nb][2] 2^-s_b and sum_k C_k (x_pairs_avx2)
   float* y;            // [M, N]
@@ -382,21 +384,32 @@ inline void add_block_sums(const Step& st, const Packed& w, const uint8_t* p, in
   acc_means = _mm512_fmadd_ps(offset, _mm512_set1_ps(st.centered_sums[b]), acc_means);
 }
 
-// M = 1 with VNNI: the 16-row groups [first, last) on x's integer planes (file comment), read
-// as kStreams streams: the range in kStreams parts, block b of one group of each part, then
-// block b + 1, ... A core keeps more lines in flight over several streams than over one
-// (measured on a 2-core Xeon VM: a plain read of 512 MB at 19 GB/s as one stream per core, 23-30
-// as four; this loop over 168 MB: 18-19 -> 23-26 GB/s). Every line of a group's weights is
-// prefetched into L2 kPrefetchBytes ahead: SmolLM2 int4 batch 1 on a 2-core Xeon VM went ~140 ->
-// ~180 -> ~222 tokens/s at 0 / 2 / 8 KiB (flat to 32 KiB; the hardware prefetcher alone keeps
-// too few lines in flight there; into L1: no better, non-temporal: half the speed). 4-bit
-// chunks: three logic ops and nine vpdpbusd per 128 weights; 8-bit (signed bytes): five
-// vpdpbusd per 64.
-template <bool HALF, int BITS>
+// M <= kVnniPassRows with VNNI: the 16-row groups [first, last) on the integer planes of x's
+// ROWS rows (file comment), read as kStreams streams: the range in kStreams parts, block b of
+// one group of each part, then block b + 1, ... A core keeps more lines in flight over several
+// streams than over one (measured on a 2-core Xeon VM: a plain read of 512 MB at 19 GB/s as one
+// stream per core, 23-30 as four; this loop over 168 MB: 18-19 -> 23-26 GB/s). Every line of a
+// group's weights is prefetched into L2 kPrefetchBytes ahead: SmolLM2 int4 batch 1 on a 2-core
+// Xeon VM went ~140 -> ~180 -> ~222 tokens/s at 0 / 2 / 8 KiB (flat to 32 KiB; the hardware
+// prefetcher alone keeps too few lines in flight there; into L1: no better, non-temporal: half
+// the speed). 4-bit chunks: three logic ops, one vpdpbusd for the codes' sum and eight per row
+// of x per 128 weights; 8-bit (signed bytes): one and four per row per 64. The rows share each
+// chunk's load and unpacking, and each row's sums are the one-row loop's, bit for bit.
+template <bool HALF, int BITS, int ROWS>
 void gemv_groups_vnni(const Step& st, int64_t first, int64_t last) {
   const Packed& w = *st.w;
   const int64_t width = w.width(), per_stream = (last - first + kStreams - 1) / kStreams;
+  const int64_t row_planes = w.nb * kPlanes * width;
   const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+  // each row's view of the step: its planes, factors, means and sums (add_block_sums)
+  Step rows[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    rows[r] = st;
+    rows[r].planes = st.planes + r * row_planes;
+    rows[r].factors = st.factors + r * 2 * w.nb;
+    rows[r].means = st.means + r * w.nb;
+    rows[r].centered_sums = st.centered_sums + r * w.nb;
+  }
   // the first kPrefetchBytes of each stream, which the loop's prefetches run ahead of
   for (int64_t part = 0; part < kStreams && first + part * per_stream < last; ++part) {
     const uint8_t* start = w.block(first + part * per_stream, 0);
@@ -408,42 +421,63 @@ void gemv_groups_vnni(const Step& st, int64_t first, int64_t last) {
     int live = 0;
     for (int64_t part = 0; part < kStreams; ++part)
       if (first + part * per_stream + i < last) groups[live++] = first + part * per_stream + i;
-    __m512 acc[kStreams], acc_means[kStreams];
-    for (int s = 0; s < live; ++s) acc[s] = acc_means[s] = _mm512_setzero_ps();
+    __m512 acc[kStreams][ROWS], acc_means[kStreams][ROWS];
+    for (int s = 0; s < live; ++s)
+      for (int r = 0; r < ROWS; ++r) acc[s][r] = acc_means[s][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < w.nb; ++b) {
-      const uint8_t* x0 = st.planes + b * kPlanes * width;
-      const uint8_t *x1 = x0 + width, *x2 = x1 + width, *x3 = x2 + width;
+      const uint8_t* x0 = st.planes + b * kPlanes * width;   // row 0's planes of block b
       for (int s = 0; s < live; ++s) {
         const uint8_t* p = w.block(groups[s], b);
-        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, q = a0;
+        __m512i a[ROWS][kPlanes], q = _mm512_setzero_si512();
+        for (int r = 0; r < ROWS; ++r)
+          for (int k = 0; k < kPlanes; ++k) a[r][k] = _mm512_setzero_si512();
         for (int64_t j = 0; j < w.chunks(); ++j) {
           _mm_prefetch(reinterpret_cast<const char*>(p + j * kChunkBytes + kPrefetchBytes), _MM_HINT_T1);
           const __m512i v = load_chunk(p + j * kChunkBytes);
           if (BITS == 8) {   // codes are signed bytes: x's unsigned planes times them as they are
-            a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 4 * j), v);
-            a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 4 * j), v);
-            a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 4 * j), v);
-            a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 4 * j), v);
+            for (int r = 0; r < ROWS; ++r)
+              for (int k = 0; k < kPlanes; ++k)
+                a[r][k] = _mm512_dpbusd_epi32(a[r][k], broadcast4(x0 + r * row_planes + k * width + 4 * j), v);
             q = _mm512_dpbusd_epi32(q, ones, v);
             continue;
           }
           const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-          a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 8 * j), lo);
-          a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 8 * j), lo);
-          a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 8 * j), lo);
-          a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 8 * j), lo);
-          a0 = _mm512_dpbusd_epi32(a0, broadcast4(x0 + 8 * j + 4), hi);
-          a1 = _mm512_dpbusd_epi32(a1, broadcast4(x1 + 8 * j + 4), hi);
-          a2 = _mm512_dpbusd_epi32(a2, broadcast4(x2 + 8 * j + 4), hi);
-          a3 = _mm512_dpbusd_epi32(a3, broadcast4(x3 + 8 * j + 4), hi);
+          for (int r = 0; r < ROWS; ++r) {
+            const uint8_t* xr = x0 + r * row_planes + 8 * j;
+            for (int k = 0; k < kPlanes; ++k) a[r][k] = _mm512_dpbusd_epi32(a[r][k], broadcast4(xr + k * width), lo);
+            for (int k = 0; k < kPlanes; ++k) a[r][k] = _mm512_dpbusd_epi32(a[r][k], broadcast4(xr + k * width + 4), hi);
+          }
           q = _mm512_dpbusd_epi32(q, ones, _mm512_add_epi8(lo, hi));
         }
         _mm_prefetch(reinterpret_cast<const char*>(p + w.code_bytes() + kPrefetchBytes), _MM_HINT_T1);
-        add_block_sums<HALF>(st, w, p, b, a0, a1, a2, a3, q, acc[s], acc_means[s]);
+        for (int r = 0; r < ROWS; ++r)
+          add_block_sums<HALF>(rows[r], w, p, b, a[r][0], a[r][1], a[r][2], a[r][3], q, acc[s][r], acc_means[s][r]);
       }
     }
     for (int s = 0; s < live; ++s)
-      _mm512_mask_storeu_ps(st.y + groups[s] * kLanes, lanes_mask(w, groups[s]), _mm512_add_ps(acc[s], acc_means[s]));
+      for (int r = 0; r < ROWS; ++r)
+        _mm512_mask_storeu_ps(st.y + r * w.n + groups[s] * kLanes, lanes_mask(w, groups[s]),
+                              _mm512_add_ps(acc[s][r], acc_means[s][r]));
+  }
+}
+
+// gemv_groups_vnni for this node's layout (float16 or float32 scales, 4- or 8-bit codes) and
+// st.rows (1 to kVnniPassRows).
+template <int ROWS>
+void gemv_groups_vnni_rows(const Step& st, int64_t first, int64_t last) {
+  const Packed& w = *st.w;
+  if (w.bits == 8)
+    return w.half ? gemv_groups_vnni<true, 8, ROWS>(st, first, last) : gemv_groups_vnni<false, 8, ROWS>(st, first, last);
+  return w.half ? gemv_groups_vnni<true, 4, ROWS>(st, first, last) : gemv_groups_vnni<false, 4, ROWS>(st, first, last);
+}
+
+void gemv_groups_vnni_any(const Step& st, int64_t first, int64_t last) {
+  static_assert(kVnniPassRows == 4, "one instance per row count");
+  switch (st.rows) {
+    case 1: return gemv_groups_vnni_rows<1>(st, first, last);
+    case 2: return gemv_groups_vnni_rows<2>(st, first, last);
+    case 3: return gemv_groups_vnni_rows<3>(st, first, last);
+    default: return gemv_groups_vnni_rows<4>(st, first, last);
   }
 }
 #endif
@@ -918,10 +952,12 @@ float offset_at(const Packed& w, const uint8_t* p, int lane) {
 }
 
 // Rows of x the batch-1 loops take in one pass over the weights: 1, or up to 4 on AVX2
-// (gemv_group_pairs_avx2); more take the M > 1 panel.
+// (gemv_group_pairs_avx2) and with VNNI (gemv_groups_vnni); more take the M > 1 panel.
 #ifdef TRTLLM_LITE_AVX2
 constexpr int64_t kPairRowsAvx2 = 4;
 inline bool gemv_rows(const Step& st) { return st.rows <= kPairRowsAvx2; }
+#elif defined(TRTLLM_LITE_VNNI)
+inline bool gemv_rows(const Step& st) { return st.rows <= kVnniPassRows; }
 #else
 inline bool gemv_rows(const Step& st) { return st.rows == 1; }
 #endif
@@ -937,14 +973,12 @@ void run_item(void* user, size_t item) {
   const int64_t rows = std::min(kRowsPerItem, st.rows - r0);
 #ifdef __AVX512F__
   // the loops for this node's layout: float16 or float32 scales, 4- or 8-bit codes
-  if (st.rows == 1) {
+  if (gemv_rows(st)) {
     const int64_t group = static_cast<int64_t>(item);
 #ifdef TRTLLM_LITE_VNNI
     // item: a contiguous range of groups
     const int64_t first = w.groups * group / st.range_items, last = w.groups * (group + 1) / st.range_items;
-    if (w.bits == 8)
-      return w.half ? gemv_groups_vnni<true, 8>(st, first, last) : gemv_groups_vnni<false, 8>(st, first, last);
-    return w.half ? gemv_groups_vnni<true, 4>(st, first, last) : gemv_groups_vnni<false, 4>(st, first, last);
+    return gemv_groups_vnni_any(st, first, last);
 #else
     if (w.bits == 8) return w.half ? gemv_group<true, 8>(st, group) : gemv_group<false, 8>(st, group);
     return w.half ? gemv_group<true, 4>(st, group) : gemv_group<false, 4>(st, group);
@@ -1183,46 +1217,45 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     st.x = x_buffer.data();
     st.ldx = width;
   }
-#ifdef __AVX512F__
-  // M = 1: x centered per block (gemv_group*; the portable loops take x as it is). With VNNI,
-  // up to kVnniGemvRows rows take that path one after another, each streaming the weights
-  // again: the M > 1 panels dequantize every weight to float32 each step, which cost SmolLM2
-  // int4 ~4x a batch-1 step at 4 sequences (TPOT 4.3 -> 18.6 ms on a Xeon VM, 4.9 -> 24.4 on Zen 4)
 #ifdef TRTLLM_LITE_VNNI
-  const int64_t one_row_at_a_time = kVnniGemvRows;
-#else
-  const int64_t one_row_at_a_time = 1;
-#endif
-  if (st.rows <= one_row_at_a_time) {
-    means.resize(static_cast<size_t>(nb));
-    centered_sums.resize(static_cast<size_t>(nb));
+  // up to kVnniGemvRows rows: x's integer planes (gemv_groups_vnni), in passes of up to
+  // kVnniPassRows rows over the weights; the M > 1 panels dequantize every weight to float32
+  // each step, which cost SmolLM2 int4 ~4x a batch-1 step at 4 sequences (TPOT 4.3 -> 18.6 ms on
+  // a Xeon VM, 4.9 -> 24.4 on Zen 4)
+  if (st.rows <= kVnniGemvRows) {
+    const int64_t rows = st.rows, pass = std::min(rows, kVnniPassRows);
+    means.resize(static_cast<size_t>(pass * nb));
+    centered_sums.resize(static_cast<size_t>(pass * nb));
+    planes.resize(static_cast<size_t>(pass * nb * kPlanes * packed.width()));
+    factors.resize(static_cast<size_t>(pass * 2 * nb));
     st.means = means.data();
     st.centered_sums = centered_sums.data();
-#ifdef TRTLLM_LITE_VNNI
-    planes.resize(static_cast<size_t>(nb * kPlanes * packed.width()));
-    factors.resize(static_cast<size_t>(2 * nb));
     st.planes = planes.data();
     st.factors = factors.data();
-#else
-    centered.resize(static_cast<size_t>(width));
-#endif
-    const int64_t rows = st.rows;
     const float* x_rows = st.x;
     float* y_rows = st.y;
-    st.rows = 1;
-    for (int64_t r = 0; r < rows; ++r) {   // (each row's planes / centered x reuse one buffer)
-      st.y = y_rows + r * n;
-#ifdef TRTLLM_LITE_VNNI
-      st.x = x_rows + r * st.ldx;
-      integer_planes(st.x, nb, block_size, packed.width(), means.data(), planes.data(),
-                     factors.data(), centered_sums.data());
-#else
-      center_blocks(x_rows + r * st.ldx, nb, block_size, means.data(), centered.data(), centered_sums.data());
-      st.x = centered.data();
-#endif
+    for (int64_t r0 = 0; r0 < rows; r0 += pass) {
+      st.rows = std::min(pass, rows - r0);
+      st.y = y_rows + r0 * n;
+      for (int64_t r = 0; r < st.rows; ++r)
+        integer_planes(x_rows + (r0 + r) * st.ldx, nb, block_size, packed.width(), means.data() + r * nb,
+                       planes.data() + r * nb * kPlanes * packed.width(), factors.data() + r * 2 * nb,
+                       centered_sums.data() + r * nb);
       RETURN_IF_ERROR(run_gemv(context, st));
     }
     return nullptr;
+  }
+#elif defined(__AVX512F__)
+  // M = 1: x centered per block (gemv_group; the portable loops take x as it is)
+  if (st.rows == 1) {
+    means.resize(static_cast<size_t>(nb));
+    centered_sums.resize(static_cast<size_t>(nb));
+    centered.resize(static_cast<size_t>(width));
+    st.means = means.data();
+    st.centered_sums = centered_sums.data();
+    center_blocks(st.x, nb, block_size, means.data(), centered.data(), centered_sums.data());
+    st.x = centered.data();
+    return run_gemv(context, st);
   }
 #endif
 #ifdef TRTLLM_LITE_AVX2
@@ -1252,7 +1285,7 @@ OrtStatus* run_gemv(OrtKernelContext* context, Step& st) {
   // one thread below ~64 KiB of weights at batch 1 (waking the pool costs more than it saves)
   const bool serial = st.rows * packed.groups * packed.nb * packed.block_bytes() < (64 << 10);
 #ifdef TRTLLM_LITE_VNNI
-  if (st.rows == 1) items = st.range_items = serial ? 1 : std::min(packed.groups, static_cast<int64_t>(available_cores()));
+  if (gemv_rows(st)) items = st.range_items = serial ? 1 : std::min(packed.groups, static_cast<int64_t>(available_cores()));
 #endif
   // even items: one contiguous range of groups per core
   return parallel_for(context, run_item, static_cast<size_t>(items), &st, serial,
