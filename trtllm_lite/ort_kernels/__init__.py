@@ -13,9 +13,13 @@ ONNX Runtime custom operators in the ``trtllm_lite`` domain (``register.cc`` add
 * ``QuantizedLinear`` / ``QuantizedLinearWithOffsets`` / ``QuantizedLinearSplit8``
   (``quantized_linear.cc``): a 4-bit (or split 8-bit) block-quantized linear at float32
   activations, in place of MatMulNBits (+ AddBlockOffsets) (``builder/fused_ops.py``,
-  ``docs/quantization.md``).
+  ``docs/quantization.md``);
+* ``DecoderLayer`` (``decoder_layer.cc``): a Llama-family layer over 4-bit linears in one node,
+  its parts the kernels above (``builder.fused_ops.fuse_decoder_layers``; only in the
+  ``*.kernels.onnx`` graphs, which only sessions with this library read: it has no function
+  body).
 
-The engines' graphs carry every op as an ONNX function too; ONNX Runtime runs the kernel
+The engines' plain graphs carry every op as an ONNX function too; ONNX Runtime runs the kernel
 where the library is registered with the session and inlines the function otherwise, so a
 missing compiler costs speed, never correctness.
 
@@ -42,6 +46,7 @@ from pathlib import Path
 
 LIBRARY_NAME = "libtrtllm_lite_ort_kernels.so"
 SOURCES = ("register.cc", "paged_attention.cc", "elementwise.cc", "block_offsets.cc", "quantized_linear.cc",
+           "decoder_layer.cc",
            "kernel_common.h", "ort_abi.h")
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
              "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-maybe-uninitialized")

@@ -124,9 +124,9 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   st.nb = offsets.dims[1];
   st.block_size = block_size;
   const float* offsets_data = nullptr;
-  RETURN_IF_ERROR(data_of(y.value, &st.y));
-  RETURN_IF_ERROR(data_of(x.value, &st.x));
-  RETURN_IF_ERROR(data_of(offsets.value, &offsets_data));
+  RETURN_IF_ERROR(data_of(y, &st.y));
+  RETURN_IF_ERROR(data_of(x, &st.x));
+  RETURN_IF_ERROR(data_of(offsets, &offsets_data));
   {
     std::lock_guard<std::mutex> lock(mutex);   // offsets are a constant: transposed once
     if (offsets_seen != offsets_data) {

@@ -100,10 +100,10 @@ OrtStatus* RotaryKernel::compute(OrtKernelContext* context) {
   st.heads = heads;
   st.kv_heads = kv_heads;
   st.head_dim = 2 * cos.dims[1];
-  RETURN_IF_ERROR(data_of(qkv.value, &st.qkv));
-  RETURN_IF_ERROR(data_of(positions.value, &st.positions));
-  RETURN_IF_ERROR(data_of(cos.value, &st.cos));
-  RETURN_IF_ERROR(data_of(sin.value, &st.sin));
+  RETURN_IF_ERROR(data_of(qkv, &st.qkv));
+  RETURN_IF_ERROR(data_of(positions, &st.positions));
+  RETURN_IF_ERROR(data_of(cos, &st.cos));
+  RETURN_IF_ERROR(data_of(sin, &st.sin));
   for (int64_t t = 0; t < T; ++t)
     if (st.positions[t] < 0 || st.positions[t] >= cos.dims[0])
       return error(ORT_INVALID_ARGUMENT, "RotarySplitQKV: positions[" + std::to_string(t) + "] = " +
@@ -190,7 +190,7 @@ OrtStatus* SiluKernel::compute(OrtKernelContext* context) {
   SiluStep st{};
   st.tokens = x.dims[0];
   st.width = x.dims[1] / 2;
-  RETURN_IF_ERROR(data_of(x.value, &st.gate_up));
+  RETURN_IF_ERROR(data_of(x, &st.gate_up));
   RETURN_IF_ERROR(new_output(context, 0, {st.tokens, st.width}, &st.out));
   if (st.tokens == 0) return nullptr;
   return parallel_for(context, silu_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem), &st,
@@ -282,7 +282,7 @@ OrtStatus* QuantizeRowsKernel::compute(OrtKernelContext* context) {
   st.tokens = x.dims[0];
   st.width = x.dims[1];
   st.planes = planes;
-  RETURN_IF_ERROR(data_of(x.value, &st.x));
+  RETURN_IF_ERROR(data_of(x, &st.x));
   RETURN_IF_ERROR(new_output(context, 0, {planes * st.tokens, st.width}, &st.q));
   RETURN_IF_ERROR(new_output(context, 1, {planes * st.tokens, 1}, &st.scale));
   if (st.tokens == 0) return nullptr;
@@ -353,9 +353,9 @@ OrtStatus* DequantizeRowsKernel::compute(OrtKernelContext* context) {
   st.planes = planes;
   st.tokens = y.dims[0] / planes;
   st.width = y.dims[1];
-  RETURN_IF_ERROR(data_of(y.value, &st.y));
-  RETURN_IF_ERROR(data_of(scale.value, &st.scale));
-  RETURN_IF_ERROR(data_of(bias.value, &st.bias));
+  RETURN_IF_ERROR(data_of(y, &st.y));
+  RETURN_IF_ERROR(data_of(scale, &st.scale));
+  RETURN_IF_ERROR(data_of(bias, &st.bias));
   RETURN_IF_ERROR(new_output(context, 0, {st.tokens, st.width}, &st.out));
   if (st.tokens == 0) return nullptr;
   return parallel_for(context, dequantize_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem),
@@ -470,7 +470,7 @@ OrtStatus* BlockHadamardKernel::compute(OrtKernelContext* context) {
                                            " is not [b, b] with b a power of two dividing K = " +
                                            std::to_string(x.dims[1]));
   const float* matrix = nullptr;
-  RETURN_IF_ERROR(data_of(h.value, &matrix));
+  RETURN_IF_ERROR(data_of(h, &matrix));
   if (checked.load(std::memory_order_acquire) != matrix) {
     if (!is_sylvester_hadamard(matrix, b))
       return error(ORT_INVALID_ARGUMENT, "BlockHadamard: hadamard is not the normalized Sylvester Hadamard matrix "
@@ -481,7 +481,7 @@ OrtStatus* BlockHadamardKernel::compute(OrtKernelContext* context) {
   st.tokens = x.dims[0];
   st.width = x.dims[1];
   st.block = b;
-  RETURN_IF_ERROR(data_of(x.value, &st.x));
+  RETURN_IF_ERROR(data_of(x, &st.x));
   RETURN_IF_ERROR(new_output(context, 0, {st.tokens, st.width}, &st.out));
   if (st.tokens == 0) return nullptr;
   return parallel_for(context, block_hadamard_rows, static_cast<size_t>((st.tokens + kRowsPerItem - 1) / kRowsPerItem),
@@ -509,6 +509,15 @@ const OrtCustomOp* quantize_rows_op() {
                             kQuantizeRowsOutputs});
   return &op;
 }
+
+KernelBase* new_rotary_split_qkv(int64_t num_heads, int64_t num_kv_heads) {
+  RotaryKernel* k = new RotaryKernel();
+  k->heads = num_heads;
+  k->kv_heads = num_kv_heads;
+  return k;
+}
+
+KernelBase* new_silu_and_mul() { return new SiluKernel(); }
 
 const OrtCustomOp* rotary_split_qkv_op() {
   static const CustomOp op({"RotarySplitQKV", kRotaryInputs, 4, 3, create_rotary});

@@ -72,9 +72,29 @@ struct Dims {
 };
 
 struct Tensor {
-  const OrtValue* value = nullptr;
+  const OrtValue* value = nullptr;   // nullptr for a fused kernel's intermediate (PartIO)
   Dims dims;
   ONNXTensorElementDataType type = kAnyType;
+  void* data = nullptr;
+};
+
+// A fused kernel's part (DecoderLayer, decoder_layer.cc) reads its inputs from, and writes its
+// outputs to, the fused kernel's tensors instead of ONNX Runtime's context: read_input and
+// new_output go through this while a part runs (set by PartScope, on the calling thread).
+struct PartIO {
+  const Tensor* inputs = nullptr;
+  size_t num_inputs = 0;
+  std::vector<float>* outputs = nullptr;   // each output's buffer, resized to its shape
+  Dims* output_dims = nullptr;
+  size_t num_outputs = 0;
+};
+extern thread_local const PartIO* g_part;
+
+struct PartScope {
+  explicit PartScope(const PartIO* io) { g_part = io; }
+  ~PartScope() { g_part = nullptr; }
+  PartScope(const PartScope&) = delete;
+  PartScope& operator=(const PartScope&) = delete;
 };
 
 // Whether the loaded ONNX Runtime has kGetTensorElementTypeAndShapeDataReference (API 24; set
@@ -96,8 +116,19 @@ inline OrtStatus* rank_error(size_t index, size_t rank) {
 // Input `index`'s value, shape and element type: one call that allocates nothing where ONNX
 // Runtime has it (g_shape_reference; ~15 inputs a layer at batch 1: SmolLM2 int4 1.015x a step
 // on a 2-core Zen 4 VM), else through a type-and-shape info object.
+template <typename T>
+OrtStatus* data_of(const OrtValue* value, T** out);
+
 inline OrtStatus* read_input(OrtKernelContext* ctx, size_t index, Tensor* out) {
+  if (g_part) {
+    if (index >= g_part->num_inputs)
+      return error(ORT_INVALID_ARGUMENT, "a fused kernel's part read its input " + std::to_string(index) + " of " +
+                                             std::to_string(g_part->num_inputs));
+    *out = g_part->inputs[index];
+    return nullptr;
+  }
   RETURN_IF_ERROR(input_value(ctx, index, &out->value));
+  RETURN_IF_ERROR(data_of(out->value, &out->data));
 #ifndef TRTLLM_LITE_LEGACY_SHAPE_QUERY
   if (g_shape_reference) {
     const int64_t* shape = nullptr;
@@ -133,6 +164,13 @@ OrtStatus* data_of(const OrtValue* value, T** out) {
   RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtValue*, void**)>(g_api, kGetTensorMutableData)(
       const_cast<OrtValue*>(value), &p));
   *out = static_cast<T*>(p);
+  return nullptr;
+}
+
+// A tensor's data (read_input took it), typed.
+template <typename T>
+OrtStatus* data_of(const Tensor& tensor, T** out) {
+  *out = static_cast<T*>(tensor.data);
   return nullptr;
 }
 
@@ -313,6 +351,17 @@ inline OrtStatus* optional_int_attribute(const OrtKernelInfo* info, const char* 
 template <typename T = float>
 inline OrtStatus* new_output(OrtKernelContext* context, size_t index, std::initializer_list<int64_t> dims,
                              T** data) {
+  if (g_part) {   // a fused kernel's part: its float32 outputs in the fused kernel's buffers
+    if (sizeof(T) != sizeof(float) || index >= g_part->num_outputs)
+      return error(ORT_INVALID_ARGUMENT, "a fused kernel's part wrote its output " + std::to_string(index) + " of " +
+                                             std::to_string(g_part->num_outputs) + " (float32 outputs only)");
+    size_t size = 1;
+    for (int64_t d : dims) size *= static_cast<size_t>(d);
+    g_part->outputs[index].resize(size);
+    g_part->output_dims[index] = Dims(dims);
+    *data = reinterpret_cast<T*>(g_part->outputs[index].data());
+    return nullptr;
+  }
   OrtValue* value = nullptr;
   RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
       g_api, kKernelContextGetOutput)(context, index, dims.begin(), dims.size(), &value));
@@ -360,5 +409,12 @@ const OrtCustomOp* add_block_offsets_op();
 const OrtCustomOp* quantized_linear_op();
 const OrtCustomOp* quantized_linear_with_offsets_op();
 const OrtCustomOp* quantized_linear_split8_op();
+const OrtCustomOp* decoder_layer_op();
+
+// The parts of a fused kernel (decoder_layer.cc), made with the attributes their own nodes take.
+KernelBase* new_quantized_linear(int64_t n, int64_t k, int64_t block_size, bool with_offsets);
+KernelBase* new_paged_attention(float scale, bool kv_write_in_op);
+KernelBase* new_rotary_split_qkv(int64_t num_heads, int64_t num_kv_heads);
+KernelBase* new_silu_and_mul();
 
 }  // namespace trtllm_lite_kernels

@@ -1225,9 +1225,9 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     return invalid("context_lens " + dims_string(t[7].dims) + " / query_start_loc " + dims_string(t[8].dims) +
                    " do not match block_tables' " + std::to_string(S) + " sequences");
   const int64_t *block_tables, *context_lens, *query_start_loc;
-  RETURN_IF_ERROR(data_of(t[6].value, &block_tables));
-  RETURN_IF_ERROR(data_of(t[7].value, &context_lens));
-  RETURN_IF_ERROR(data_of(t[8].value, &query_start_loc));
+  RETURN_IF_ERROR(data_of(t[6], &block_tables));
+  RETURN_IF_ERROR(data_of(t[7], &context_lens));
+  RETURN_IF_ERROR(data_of(t[8], &query_start_loc));
   // every position the step reads must be there: the kernels read them unchecked
   if (query_start_loc[0] != 0 || query_start_loc[S] != T)   // (also: tokens but no sequence)
     return invalid("query_start_loc runs from " + std::to_string(query_start_loc[0]) + " to " +
@@ -1254,7 +1254,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     if (t[5].dims[0] != T)
       return invalid("slot_mapping " + dims_string(t[5].dims) + " does not match the step's " + std::to_string(T) +
                      " tokens");
-    RETURN_IF_ERROR(data_of(t[5].value, &slots));
+    RETURN_IF_ERROR(data_of(t[5], &slots));
     for (int64_t i = 0; i < T; ++i)
       if (slots[i] < 0 || slots[i] >= N * B)
         return invalid("slot_mapping[" + std::to_string(i) + "] = " + std::to_string(slots[i]) + " outside the pool's " +
@@ -1264,15 +1264,15 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
   RETURN_IF_ERROR(new_output(context, 0, {T, H, D}, &output));
   if (T == 0) return nullptr;
   const float *query, *key, *value;
-  RETURN_IF_ERROR(data_of(t[0].value, &query));
-  RETURN_IF_ERROR(data_of(t[1].value, &key));
-  RETURN_IF_ERROR(data_of(t[2].value, &value));
+  RETURN_IF_ERROR(data_of(t[0], &query));
+  RETURN_IF_ERROR(data_of(t[1], &key));
+  RETURN_IF_ERROR(data_of(t[2], &value));
   const StepArgs args{query, key, value, block_tables, context_lens, query_start_loc, output, T, S, H, Hkv, D, B, M,
                       all_decode, scale};
   if (t[3].type == kF16) {
     const uint16_t *key_cache, *value_cache;
-    RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
-    RETURN_IF_ERROR(data_of(t[4].value, &value_cache));
+    RETURN_IF_ERROR(data_of(t[3], &key_cache));
+    RETURN_IF_ERROR(data_of(t[4], &value_cache));
     // the step's new K/V attended as the pool will hold them (the runtime stores them rounded
     // to float16 after the step), so the same values are attended however a prompt was chunked
     // or prefix-cached; vLLM's kernels read them back from the cache alike
@@ -1291,8 +1291,8 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     return run_step(context, half_args, key_cache, value_cache);
   }
   const float *key_cache, *value_cache;
-  RETURN_IF_ERROR(data_of(t[3].value, &key_cache));
-  RETURN_IF_ERROR(data_of(t[4].value, &value_cache));
+  RETURN_IF_ERROR(data_of(t[3], &key_cache));
+  RETURN_IF_ERROR(data_of(t[4], &value_cache));
   if (slots) {
     write_pool_rows(key, slots, T, Hkv * D, const_cast<float*>(key_cache));
     write_pool_rows(value, slots, T, Hkv * D, const_cast<float*>(value_cache));
@@ -1364,6 +1364,13 @@ OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
 }
 
 }  // namespace
+
+KernelBase* new_paged_attention(float scale, bool kv_write_in_op) {
+  Kernel* k = new Kernel();
+  k->scale = scale;
+  k->kv_write_in_op = kv_write_in_op;
+  return k;
+}
 
 const OrtCustomOp* paged_attention_op() {
   static const CustomOp op({"PagedAttention", kInputTypes, kNumInputs, 1, create_kernel, kNumRequired});

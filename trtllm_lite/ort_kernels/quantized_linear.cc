@@ -1160,10 +1160,10 @@ OrtStatus* Kernel::check_and_pack(OrtKernelContext* context) {
                                            dims_string(offsets.dims));
   const uint8_t *q = nullptr, *z = nullptr;
   const float *s = nullptr, *o = nullptr;
-  RETURN_IF_ERROR(data_of(qweight.value, &q));
-  RETURN_IF_ERROR(data_of(scales.value, &s));
-  RETURN_IF_ERROR(data_of(zero_points.value, &z));
-  if (with_offsets) RETURN_IF_ERROR(data_of(offsets.value, &o));
+  RETURN_IF_ERROR(data_of(qweight, &q));
+  RETURN_IF_ERROR(data_of(scales, &s));
+  RETURN_IF_ERROR(data_of(zero_points, &z));
+  if (with_offsets) RETURN_IF_ERROR(data_of(offsets, &o));
   packed_from = {};   // until the repack succeeds
   RETURN_IF_ERROR(pack(q, s, z, o, nbo));
   packed_from = {q, s, z, o};
@@ -1181,7 +1181,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     return error(ORT_INVALID_ARGUMENT, description() + ": x " + dims_string(x.dims) + " is not [M, " +
                                            (split8 ? "K / 2" : "K") + "]");
   const float* x_data = nullptr;
-  RETURN_IF_ERROR(data_of(x.value, &x_data));
+  RETURN_IF_ERROR(data_of(x, &x_data));
   {
     // the weights are constants: their shapes are checked and the data repacked at the first
     // call, or when a weight input's data or shape changes (a weight fed as a graph input can
@@ -1192,7 +1192,7 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
       Tensor weight;
       const void* data = nullptr;
       RETURN_IF_ERROR(read_input(context, i + 1, &weight));
-      RETURN_IF_ERROR(data_of(weight.value, &data));
+      RETURN_IF_ERROR(data_of(weight, &data));
       same = same && data == packed_from[i] && weight.dims == packed_dims[i];
     }
     if (!same) RETURN_IF_ERROR(check_and_pack(context));
@@ -1304,6 +1304,15 @@ OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
 }
 
 }  // namespace
+
+KernelBase* new_quantized_linear(int64_t n, int64_t k, int64_t block_size, bool with_offsets) {
+  Kernel* kernel = new Kernel();
+  kernel->n = n;
+  kernel->kernel_k = k;
+  kernel->block_size = block_size;
+  kernel->with_offsets = with_offsets;
+  return kernel;
+}
 
 const OrtCustomOp* quantized_linear_op() {
   static const CustomOp op({"QuantizedLinear", kInputs, 4, 1, create_kernel<false, false>});

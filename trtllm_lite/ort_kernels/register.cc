@@ -8,6 +8,7 @@ namespace trtllm_lite_kernels {
 
 const OrtApi* g_api = nullptr;
 bool g_shape_reference = false;
+thread_local const PartIO* g_part = nullptr;
 
 namespace {
 // Whether ONNX Runtime "major.minor.patch" has API version `api` (its API version is its minor
@@ -57,7 +58,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
       "trtllm_lite", &domain));
   for (const OrtCustomOp* op : {paged_attention_op(), rotary_split_qkv_op(), silu_and_mul_op(),
                                 add_block_offsets_op(), quantized_linear_op(), quantized_linear_with_offsets_op(),
-                                quantized_linear_split8_op(), quantize_rows_op(),
+                                quantized_linear_split8_op(), decoder_layer_op(), quantize_rows_op(),
                                 dequantize_rows_op(), block_hadamard_op()})
     RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, kCustomOpDomainAdd)(
         domain, op));

@@ -1,0 +1,239 @@
+// trtllm_lite::DecoderLayer: a Llama-family decoder layer of a 4-bit engine in one node, from
+// its attention's input norm's output to the next layer's (or the final) norm
+// (builder/fused_ops.py fuse_decoder_layers writes it into the *.kernels.onnx graphs):
+//
+//   qkv   = QuantizedLinear(normed_in)                     [T, (H + 2 Hkv) D]
+//   q, k, v = RotarySplitQKV(qkv, positions, cos, sin)
+//   attn  = PagedAttention(q, k, v, key_cache, value_cache, slot_mapping, block_tables,
+//                          context_lens, query_start_loc)  (kv_write_in_op: stores the K/V)
+//   mid   = residual_in + QuantizedLinear_o(attn)          (the attention's residual)
+//   up    = QuantizedLinear_gate_up(rms_norm(mid) * mlp_norm)
+//   down  = QuantizedLinear_down(silu(gate) * up)
+//   residual_out = mid + down, normed_out = rms_norm(residual_out) * next_norm
+//
+//   inputs   0 normed_in [T, hidden] float32, 1 residual_in [T, hidden] float32,
+//            2-4 qkv qweight, scales, zero_points (QuantizedLinear's), 5 positions [T] int64,
+//            6-7 cos_cache, sin_cache [max_positions, D / 2] float32, 8-9 key_cache, value_cache
+//            [num_blocks, block_size, Hkv, D] float32 or float16, 10 slot_mapping [T],
+//            11 block_tables [S, max_blocks], 12 context_lens [S], 13 query_start_loc [S + 1]
+//            int64, 14-16 o's weight, 17 mlp_norm [hidden] float32, 18-20 gate_up's weight,
+//            21-23 down's weight, 24 next_norm [hidden] float32, 25-28 (optional, all or none)
+//            the four linears' offsets (QuantizedLinearWithOffsets')
+//   attrs    {qkv,o,gate_up,down}_{N,K,block_size}, num_heads, num_kv_heads, scale,
+//            kv_write_in_op, mlp_epsilon, next_epsilon
+//   outputs  normed_out [T, hidden] float32, residual_out [T, hidden] float32
+//
+// Each part is the op's own kernel (quantized_linear.cc, elementwise.cc, paged_attention.cc),
+// run on this node's tensors through PartIO (kernel_common.h), so the layer computes what its
+// ten nodes compute; the two RMS norms with the residual adds are this file's (ONNX Runtime's
+// SkipSimplifiedLayerNormalization in the unfused graph: the same arithmetic up to the order of
+// the sum of squares). What the fusion removes is ONNX Runtime's per-node work between them: a
+// node's dispatch, its inputs' and outputs' handling and arena allocations (ten nodes a layer ->
+// one).
+#include <array>
+#include <mutex>
+
+#include "kernel_common.h"
+
+namespace trtllm_lite_kernels {
+namespace {
+
+constexpr size_t kNumInputs = 29, kNumRequired = 25;
+constexpr ONNXTensorElementDataType kU8 = static_cast<ONNXTensorElementDataType>(2);   // uint8
+constexpr ONNXTensorElementDataType kInputTypes[kNumInputs] = {
+    kF32, kF32,                          // normed_in, residual_in
+    kU8, kF32, kU8,                      // qkv
+    kI64, kF32, kF32,                    // positions, cos, sin
+    kAnyType, kAnyType,                  // key_cache, value_cache (float32 or float16: PagedAttention checks)
+    kI64, kI64, kI64, kI64,              // slot_mapping, block_tables, context_lens, query_start_loc
+    kU8, kF32, kU8, kF32,                // o, mlp_norm
+    kU8, kF32, kU8,                      // gate_up
+    kU8, kF32, kU8, kF32,                // down, next_norm
+    kF32, kF32, kF32, kF32};             // offsets of qkv, o, gate_up, down
+constexpr size_t kNormedIn = 0, kResidualIn = 1, kQkv = 2, kPositions = 5, kCos = 6, kSin = 7, kKeyCache = 8,
+                 kSlotMapping = 10, kO = 14, kMlpNorm = 17, kGateUp = 18, kDown = 21, kNextNorm = 24,
+                 kOffsets = 25;
+constexpr int64_t kNormRowsPerItem = 16;
+
+// rows of out = rms_norm(a + b) * gamma, sum = a + b (sum may be a or b); the mean square in
+// float64 (LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight)
+struct NormStep {
+  const float *a, *b, *gamma;
+  float *sum, *out;
+  int64_t rows, width;
+  float epsilon;
+};
+
+void norm_rows(void* user, size_t item) {
+  const NormStep& st = *static_cast<const NormStep*>(user);
+  const int64_t end = std::min(st.rows, static_cast<int64_t>(item + 1) * kNormRowsPerItem);
+  for (int64_t r = static_cast<int64_t>(item) * kNormRowsPerItem; r < end; ++r) {
+    const float *a = st.a + r * st.width, *b = st.b + r * st.width;
+    float *sum = st.sum + r * st.width, *out = st.out + r * st.width;
+    double squares = 0.0;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < st.width; ++i) {
+      const float x = a[i] + b[i];
+      sum[i] = x;
+      squares += static_cast<double>(x) * x;
+    }
+    const float inv = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(st.width) + st.epsilon));
+#pragma omp simd
+    for (int64_t i = 0; i < st.width; ++i) out[i] = sum[i] * inv * st.gamma[i];
+  }
+}
+
+OrtStatus* skip_norm(OrtKernelContext* context, NormStep& st) {
+  if (st.rows == 0) return nullptr;
+  return parallel_for(context, norm_rows, static_cast<size_t>((st.rows + kNormRowsPerItem - 1) / kNormRowsPerItem),
+                      &st, st.rows * st.width < kSerialWork);
+}
+
+struct Linear {
+  int64_t n = 0, k = 0, block_size = 0;
+};
+
+struct Kernel : KernelBase {
+  Linear qkv, o, gate_up, down;
+  int64_t num_heads = 0, num_kv_heads = 0, kv_write_in_op = 1;
+  float scale = 1.0f, mlp_epsilon = 1e-6f, next_epsilon = 1e-6f;
+  // the parts, made on the first call (when the node's offsets are known to be there or not)
+  std::unique_ptr<KernelBase> qkv_part, rotary_part, attention_part, o_part, gate_up_part, silu_part, down_part;
+  bool with_offsets = false;
+  std::mutex mutex;
+  OrtStatus* compute(OrtKernelContext* context) override;
+  OrtStatus* make_parts(bool offsets);
+};
+
+OrtStatus* Kernel::make_parts(bool offsets) {
+  with_offsets = offsets;
+  qkv_part.reset(new_quantized_linear(qkv.n, qkv.k, qkv.block_size, offsets));
+  o_part.reset(new_quantized_linear(o.n, o.k, o.block_size, offsets));
+  gate_up_part.reset(new_quantized_linear(gate_up.n, gate_up.k, gate_up.block_size, offsets));
+  down_part.reset(new_quantized_linear(down.n, down.k, down.block_size, offsets));
+  rotary_part.reset(new_rotary_split_qkv(num_heads, num_kv_heads));
+  attention_part.reset(new_paged_attention(scale, kv_write_in_op == 1));
+  silu_part.reset(new_silu_and_mul());
+  return nullptr;
+}
+
+// A part's call on `inputs`, its outputs into `outputs` (their shapes into `dims`).
+OrtStatus* run_part(OrtKernelContext* context, KernelBase& part, std::initializer_list<Tensor> inputs,
+                    std::vector<float>* outputs, Dims* dims, size_t num_outputs) {
+  const PartIO io{inputs.begin(), inputs.size(), outputs, dims, num_outputs};
+  PartScope scope(&io);
+  return part.compute(context);
+}
+
+Tensor intermediate(std::vector<float>& buffer, const Dims& dims) {
+  Tensor t;
+  t.dims = dims;
+  t.type = kF32;
+  t.data = buffer.data();
+  return t;
+}
+
+OrtStatus* Kernel::compute(OrtKernelContext* context) {
+  Tensor in[kNumInputs];
+  for (size_t i = 0; i < kNumRequired; ++i) RETURN_IF_ERROR(read_input(context, i, &in[i]));
+  // the offsets: all four or none (input i is absent when its value is null)
+  size_t offsets = 0;
+  for (size_t i = kOffsets; i < kNumInputs; ++i) {
+    RETURN_IF_ERROR(input_value(context, i, &in[i].value));
+    if (in[i].value) {
+      RETURN_IF_ERROR(read_input(context, i, &in[i]));
+      ++offsets;
+    }
+  }
+  if (offsets != 0 && offsets != 4)
+    return error(ORT_INVALID_ARGUMENT, "DecoderLayer: the linears' offsets must be given for all four or none, got " +
+                                           std::to_string(offsets));
+  {
+    std::lock_guard<std::mutex> lock(mutex);   // (sessions may run on several threads at once)
+    if (!qkv_part || with_offsets != (offsets == 4)) RETURN_IF_ERROR(make_parts(offsets == 4));
+  }
+  const Tensor& x = in[kNormedIn];
+  const Tensor& residual = in[kResidualIn];
+  if (x.dims.size() != 2 || residual.dims != x.dims || x.dims[1] != qkv.k || o.n != x.dims[1] ||
+      down.n != x.dims[1] || in[kMlpNorm].dims != Dims{x.dims[1]} || in[kNextNorm].dims != Dims{x.dims[1]})
+    return error(ORT_INVALID_ARGUMENT, "DecoderLayer: normed_in " + dims_string(x.dims) + ", residual_in " +
+                                           dims_string(residual.dims) + ", mlp_norm " + dims_string(in[kMlpNorm].dims) +
+                                           ", next_norm " + dims_string(in[kNextNorm].dims) + " are not [T, " +
+                                           std::to_string(qkv.k) + "] twice and [" + std::to_string(qkv.k) + "]");
+  const int64_t T = x.dims[0], hidden = x.dims[1];
+  // the intermediates: per calling thread, reused layer after layer
+  thread_local std::vector<float> buffers[8];
+  thread_local Dims dims[8];
+  std::vector<float>&qkv_out = buffers[0], *qkv_split = &buffers[1], &attn = buffers[4], &mid = buffers[5],
+                     &up = buffers[6], &act = buffers[7];
+  Dims* split_dims = &dims[1];
+  auto weights = [&](size_t first, size_t linear) {   // a linear's weight tensors, its offsets last
+    return std::array<Tensor, 4>{in[first], in[first + 1], in[first + 2], in[kOffsets + linear]};
+  };
+  auto linear = [&](KernelBase& part, const Tensor& input, size_t first, size_t index, std::vector<float>& out,
+                    Dims& out_dims) {
+    const auto w = weights(first, index);
+    return with_offsets ? run_part(context, part, {input, w[0], w[1], w[2], w[3]}, &out, &out_dims, 1)
+                        : run_part(context, part, {input, w[0], w[1], w[2]}, &out, &out_dims, 1);
+  };
+  RETURN_IF_ERROR(linear(*qkv_part, x, kQkv, 0, qkv_out, dims[0]));
+  RETURN_IF_ERROR(run_part(context, *rotary_part,
+                           {intermediate(qkv_out, dims[0]), in[kPositions], in[kCos], in[kSin]}, qkv_split,
+                           split_dims, 3));
+  Tensor attention_in[9] = {intermediate(buffers[1], dims[1]), intermediate(buffers[2], dims[2]),
+                            intermediate(buffers[3], dims[3])};
+  for (size_t i = 0; i < 6; ++i) attention_in[3 + i] = in[kKeyCache + i];
+  RETURN_IF_ERROR(run_part(context, *attention_part,
+                           {attention_in[0], attention_in[1], attention_in[2], attention_in[3], attention_in[4],
+                            attention_in[5], attention_in[6], attention_in[7], attention_in[8]},
+                           &attn, &dims[4], 1));
+  const Dims attn_rows{T, dims[4].rank == 3 ? dims[4][1] * dims[4][2] : -1};   // [T, H, D] -> [T, H D]
+  RETURN_IF_ERROR(linear(*o_part, intermediate(attn, attn_rows), kO, 1, mid, dims[5]));
+  // mid = residual_in + o's output (in place), up's input = its norm (into act's buffer)
+  act.resize(static_cast<size_t>(T * hidden));
+  const float* residual_data = static_cast<const float*>(residual.data);
+  const float* mlp_norm = static_cast<const float*>(in[kMlpNorm].data);
+  NormStep mlp{residual_data, mid.data(), mlp_norm, mid.data(), act.data(), T, hidden, mlp_epsilon};
+  RETURN_IF_ERROR(skip_norm(context, mlp));
+  RETURN_IF_ERROR(linear(*gate_up_part, intermediate(act, Dims{T, hidden}), kGateUp, 2, up, dims[6]));
+  RETURN_IF_ERROR(run_part(context, *silu_part, {intermediate(up, dims[6])}, &act, &dims[7], 1));
+  RETURN_IF_ERROR(linear(*down_part, intermediate(act, dims[7]), kDown, 3, qkv_out, dims[0]));   // (qkv_out reused)
+  float *normed_out, *residual_out;
+  RETURN_IF_ERROR(new_output(context, 0, {T, hidden}, &normed_out));
+  RETURN_IF_ERROR(new_output(context, 1, {T, hidden}, &residual_out));
+  NormStep next{mid.data(), qkv_out.data(), static_cast<const float*>(in[kNextNorm].data), residual_out, normed_out,
+                T, hidden, next_epsilon};
+  return skip_norm(context, next);
+}
+
+OrtStatus* read_linear(const OrtKernelInfo* info, const std::string& name, Linear* out) {
+  RETURN_IF_ERROR(int_attribute(info, (name + "_N").c_str(), &out->n));
+  RETURN_IF_ERROR(int_attribute(info, (name + "_K").c_str(), &out->k));
+  return int_attribute(info, (name + "_block_size").c_str(), &out->block_size);
+}
+
+OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
+  return new_kernel<Kernel>(kernel, [info](Kernel& k) {
+    RETURN_IF_ERROR(read_linear(info, "qkv", &k.qkv));
+    RETURN_IF_ERROR(read_linear(info, "o", &k.o));
+    RETURN_IF_ERROR(read_linear(info, "gate_up", &k.gate_up));
+    RETURN_IF_ERROR(read_linear(info, "down", &k.down));
+    RETURN_IF_ERROR(int_attribute(info, "num_heads", &k.num_heads));
+    RETURN_IF_ERROR(int_attribute(info, "num_kv_heads", &k.num_kv_heads));
+    RETURN_IF_ERROR(optional_int_attribute(info, "kv_write_in_op", &k.kv_write_in_op));
+    RETURN_IF_ERROR(float_attribute(info, "scale", &k.scale));
+    RETURN_IF_ERROR(float_attribute(info, "mlp_epsilon", &k.mlp_epsilon));
+    return float_attribute(info, "next_epsilon", &k.next_epsilon);
+  });
+}
+
+constexpr ONNXTensorElementDataType kOutputTypes[2] = {kF32, kF32};
+
+}  // namespace
+
+const OrtCustomOp* decoder_layer_op() {
+  static const CustomOp op({"DecoderLayer", kInputTypes, kNumInputs, 2, create_kernel, kNumRequired, kOutputTypes});
+  return &op;
+}
+
+}  // namespace trtllm_lite_kernels
