@@ -12,6 +12,7 @@ import onnx
 from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST, check_kv_cache_dtype_name, sha256_file
 
 from .export_onnx import export_graphs
+from .fused_ops import fuse_decoder_layers
 from .draft import keep_first_layers
 from .loaders import load_model
 from .paged_attention import with_kv_write_in_op, without_attention_metadata
@@ -205,7 +206,8 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     if bc.backend == "onnxruntime":   # for sessions with trtllm-lite's kernels (no attention metadata; the op stores the K/V)
         for kind, graph in graphs.items():
             kernel_graphs[kind] = f"{kind}.kernels.onnx"
-            onnx.save(with_kv_write_in_op(without_attention_metadata(graph)), os.path.join(output, kernel_graphs[kind]))
+            onnx.save(fuse_decoder_layers(with_kv_write_in_op(without_attention_metadata(graph))),
+                      os.path.join(output, kernel_graphs[kind]))
             onnx.checker.check_model(os.path.join(output, kernel_graphs[kind]))
     tensorrt = None
     if bc.backend in KV_WRITE:

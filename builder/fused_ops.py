@@ -74,6 +74,9 @@ the halves' width, twice x's) and x ``[T, K / 2]`` once::
   Body: ``Concat(x, x)`` then ``QuantizedLinearWithOffsets``. Its kernel recombines the 8-bit
   codes once and reads x as it is: no ``[x, x]`` copy (at a 1,024-token prompt chunk of an
   int8 SmolLM2, ~800 MB of writes a step), fewer bytes and half the multiply-adds.
+
+``trtllm_lite::DecoderLayer`` (no function body: only in the kernels' graphs,
+:func:`fuse_decoder_layers`) is a Llama layer over 4-bit linears, its ten nodes in one.
 """
 from __future__ import annotations
 
@@ -247,3 +250,134 @@ def make_quantized_linear_functions(opset: int | None = None) -> list:
         [helper.make_node("Concat", ["x", "x"], ["xx"], name="ql_split8_concat", axis=1), call], opsets,
         attributes=list(QUANTIZED_LINEAR_ATTRIBUTES))
     return [plain, with_offsets, split8]
+
+
+DECODER_LAYER_OP_TYPE = "DecoderLayer"
+_LAYER_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def _attributes(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _match_decoder_layer(qkv, consumers: dict, graph_outputs: set):
+    """The ten nodes of one decoder layer from its QKV projection ``qkv`` (a 4-bit linear) to
+    the next norm, or None where the graph is not that chain (a bias, another op, an
+    intermediate read twice or a graph output, the four linears not one kind)."""
+    def only_consumer(node, output=0, op_type=None, domain=DOMAIN):
+        name = node.output[output]
+        users = consumers.get(name, [])
+        if name in graph_outputs or len(users) != 1:
+            return None
+        user = users[0]
+        return user if user.op_type == op_type and user.domain == domain else None
+
+    from .onnx_graph import MS_DOMAIN
+
+    from .paged_attention import OP_TYPE as ATTENTION_OP_TYPE
+
+    linear_kind = qkv.op_type
+    rotary = only_consumer(qkv, 0, ROTARY_OP_TYPE)
+    if rotary is None or rotary.input[0] != qkv.output[0]:
+        return None
+    attention = only_consumer(rotary, 0, ATTENTION_OP_TYPE)
+    if (attention is None or list(attention.input[:3]) != list(rotary.output)
+            or any(len(consumers.get(name, [])) != 1 or name in graph_outputs for name in rotary.output[1:])
+            or len(attention.input) != 9 or _attributes(attention).get("kv_write_in_op") != 1):
+        return None
+    reshape = only_consumer(attention, 0, "Reshape", "")
+    o = reshape and only_consumer(reshape, 0, linear_kind)
+    mlp_norm = o and only_consumer(o, 0, "SkipSimplifiedLayerNormalization", MS_DOMAIN)
+    if mlp_norm is None or mlp_norm.input[1] != o.output[0] or len(mlp_norm.input) != 3:
+        return None
+    gate_up = only_consumer(mlp_norm, 0, linear_kind)
+    silu = gate_up and only_consumer(gate_up, 0, SILU_OP_TYPE)
+    down = silu and only_consumer(silu, 0, linear_kind)
+    next_norm = down and only_consumer(down, 0, "SkipSimplifiedLayerNormalization", MS_DOMAIN)
+    if (next_norm is None or len(mlp_norm.output) != 4 or not mlp_norm.output[3] or len(next_norm.output) != 4
+            or not next_norm.output[3] or next_norm.input[0] != mlp_norm.output[3] or next_norm.input[1] != down.output[0]
+            or len(next_norm.input) != 3 or any(name for name in list(mlp_norm.output[1:3]) + list(next_norm.output[1:3]))):
+        return None
+    residual = mlp_norm.output[3]
+    if residual in graph_outputs or len(consumers.get(residual, [])) != 1:
+        return None
+    return [qkv, rotary, attention, reshape, o, mlp_norm, gate_up, silu, down, next_norm]
+
+
+def fuse_decoder_layers(model):
+    """A copy of an ONNX Runtime kernels graph (``*.kernels.onnx``) whose Llama-family decoder
+    layers over 4-bit linears are each one ``trtllm_lite::DecoderLayer`` node
+    (``trtllm_lite/ort_kernels/decoder_layer.cc``): the ten nodes from a layer's QKV projection
+    (``QuantizedLinear`` or ``QuantizedLinearWithOffsets``) through ``RotarySplitQKV``,
+    ``PagedAttention`` (storing its K/V: :func:`builder.paged_attention.with_kv_write_in_op`),
+    the o projection, the post-attention ``SkipSimplifiedLayerNormalization``, gate/up,
+    ``SiluAndMul`` and down to the next layer's (or the final) norm::
+
+        DecoderLayer(normed_in, residual_in, qkv weight, positions, cos, sin, key_cache,
+                     value_cache, slot_mapping, block_tables, context_lens, query_start_loc,
+                     o weight, mlp_norm, gate_up weight, down weight, next_norm
+                     [, the four linears' offsets]) -> normed_out, residual_out
+
+    (each weight: ``qweight, scales, zero_points``). The op has no ONNX function body: only
+    sessions with trtllm-lite's kernels registered take these graphs. Layers that are not that
+    chain (biases, other linears, fp32 or w8a8 engines, GPT-2) are left as they are.
+
+    Measured on SmolLM2 int4 at batch 1 (2-core Zen 4 VM): ONNX Runtime's work between nodes
+    and the kernels' input and output handling were ~1.3 ms of a ~6 ms step with ten nodes a
+    layer (docs/benchmarks.md, session 33).
+
+    Args:
+        model: ``onnx.ModelProto``; left unchanged.
+    Returns:
+        the new ``onnx.ModelProto`` (the same graph where no layer matches).
+    """
+    import onnx
+    from onnx import helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    consumers: dict = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    graph_outputs = {o.name for o in graph.output}
+    fused: dict[int, object] = {}      # id of a layer's last node -> its DecoderLayer node
+    removed: set[int] = set()
+    for node in graph.node:
+        if node.domain != DOMAIN or node.op_type not in (QUANTIZED_LINEAR_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE):
+            continue
+        chain = _match_decoder_layer(node, consumers, graph_outputs)
+        if chain is None or any(id(n) in removed for n in chain):
+            continue
+        qkv, rotary, attention, _, o, mlp_norm, gate_up, _, down, next_norm = chain
+        linears = dict(zip(_LAYER_LINEARS, (qkv, o, gate_up, down)))
+        offsets = qkv.op_type == QUANTIZED_LINEAR_OFFSETS_OP_TYPE
+        inputs = [qkv.input[0], mlp_norm.input[0], *qkv.input[1:4], *rotary.input[1:4], *attention.input[3:9],
+                  *o.input[1:4], mlp_norm.input[2], *gate_up.input[1:4], *down.input[1:4], next_norm.input[2]]
+        if offsets:
+            inputs += [linears[name].input[4] for name in _LAYER_LINEARS]
+        attributes = {}
+        for name, linear in linears.items():
+            a = _attributes(linear)
+            attributes.update({f"{name}_N": a["N"], f"{name}_K": a["K"], f"{name}_block_size": a["block_size"]})
+        rotary_attributes, attention_attributes = _attributes(rotary), _attributes(attention)
+        attributes.update(num_heads=rotary_attributes["num_heads"], num_kv_heads=rotary_attributes["num_kv_heads"],
+                          scale=attention_attributes["scale"], kv_write_in_op=1,
+                          mlp_epsilon=_attributes(mlp_norm)["epsilon"], next_epsilon=_attributes(next_norm)["epsilon"])
+        fused[id(next_norm)] = helper.make_node(
+            DECODER_LAYER_OP_TYPE, inputs, [next_norm.output[0], next_norm.output[3]],
+            name=f"decoder_layer_{len(fused)}", domain=DOMAIN, **attributes)
+        removed.update(id(n) for n in chain)
+    if not fused:
+        return out
+    # each layer's node where its last node was: every input is computed by then
+    nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in removed or id(n) in fused]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    from .paged_attention import _keep_nodes_feeding_outputs
+
+    _keep_nodes_feeding_outputs(graph)   # (the Reshapes' shape constants)
+    return out

@@ -475,6 +475,10 @@ def test_tiny_quantized_engine_matches_hf_on_dequantized_weights(tiny_model, tmp
                    max_num_seqs=16, block_size=4, quantization=quantization, quant_block_size=block_size,
                    quant_symmetric=symmetric, accuracy_level=0)   # float32 activations: exact
     reference = dequantized_hf(hf, hf_dir, quantization, block_size, symmetric)
+    # the kernels' graphs: a Llama layer over 4-bit linears is one DecoderLayer node; a split
+    # 8-bit weight or a QKV bias (Qwen2) keeps the layer's own nodes
+    fused = decoder_layer_nodes(engine)
+    assert fused == (hf.config.num_hidden_layers if (kind, quantization) == ("llama-gqa", "int4") else 0)
     llm, prompts, logits = three_prompts_logits(engine)
     for row, p in zip(logits, prompts):
         with torch.no_grad():
@@ -487,6 +491,52 @@ def test_tiny_quantized_engine_matches_hf_on_dequantized_weights(tiny_model, tmp
                                      max_new_tokens=8, do_sample=False,
                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == ref
+
+
+def decoder_layer_nodes(engine: str, kind: str = "decode") -> int:
+    """DecoderLayer nodes in ``engine``'s ``{kind}.kernels.onnx``."""
+    import onnx
+
+    graph = onnx.load(os.path.join(engine, f"{kind}.kernels.onnx"), load_external_data=False).graph
+    return sum(n.op_type == "DecoderLayer" for n in graph.node)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
+def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_path, kv_cache_dtype):
+    """An int4 engine's kernels graphs hold one DecoderLayer node per layer
+    (builder.fused_ops.fuse_decoder_layers, trtllm_lite/ort_kernels/decoder_layer.cc): prompts
+    in chunks, steps mixing prompt chunks with decodes, and decodes give the tokens and
+    logprobs (within 1e-4) of the same engine with each layer's ten nodes."""
+    import shutil
+
+    import onnx
+
+    from builder.paged_attention import with_kv_write_in_op, without_attention_metadata
+    from trtllm_lite import ort_kernels
+
+    if ort_kernels.library_path() is None:
+        pytest.skip("the DecoderLayer op is trtllm-lite's kernels' (no C++ compiler here)")
+    hf, engine = tiny_model("llama-gqa", quantization="int4", quant_block_size=32, quant_symmetric=False,
+                            accuracy_level=0, kv_cache_dtype=kv_cache_dtype)
+    unfused = str(tmp_path / "unfused")
+    shutil.copytree(engine, unfused)
+    for kind in ("prefill", "decode"):
+        assert decoder_layer_nodes(engine, kind) == hf.config.num_hidden_layers
+        graph = onnx.load(os.path.join(engine, f"{kind}.onnx"), load_external_data=False)
+        onnx.save(with_kv_write_in_op(without_attention_metadata(graph)), os.path.join(unfused, f"{kind}.kernels.onnx"))
+        assert decoder_layer_nodes(unfused, kind) == 0
+    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30, 5)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    results = []
+    for path in (engine, unfused):   # 8-token budget: chunked prompts beside decodes
+        llm = LLM(path, num_kv_blocks=64, verify_checksums=False, max_num_batched_tokens=8, max_num_seqs=4)
+        results.append(llm.generate(prompts, params))
+    for fused_out, plain_out in zip(*results):
+        a, b = fused_out.outputs[0], plain_out.outputs[0]
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            np.testing.assert_allclose([la[t].logprob for t in la], [lb[t].logprob for t in la], atol=1e-4)
 
 
 # -- W8A8: int8 weights per channel, int8 activations per token ---------------------------
