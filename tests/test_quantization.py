@@ -506,7 +506,9 @@ def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_p
     """An int4 engine's kernels graphs hold one DecoderLayer node per layer
     (builder.fused_ops.fuse_decoder_layers, trtllm_lite/ort_kernels/decoder_layer.cc): prompts
     in chunks, steps mixing prompt chunks with decodes, and decodes give the tokens and
-    logprobs (within 1e-4) of the same engine with each layer's ten nodes."""
+    logprobs of the same engine with each layer's ten nodes, bit for bit (a float16 pool rounds
+    the K/V, so any difference in the norms' arithmetic would show as ~1e-3 in the logprobs:
+    QA, session 33)."""
     import shutil
 
     import onnx
@@ -535,8 +537,7 @@ def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_p
         a, b = fused_out.outputs[0], plain_out.outputs[0]
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
-            assert la.keys() == lb.keys()
-            np.testing.assert_allclose([la[t].logprob for t in la], [lb[t].logprob for t in la], atol=1e-4)
+            assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
 
 
 # -- W8A8: int8 weights per channel, int8 activations per token ---------------------------

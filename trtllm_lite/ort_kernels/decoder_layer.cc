@@ -25,9 +25,9 @@
 //
 // Each part is the op's own kernel (quantized_linear.cc, elementwise.cc, paged_attention.cc),
 // run on this node's tensors through PartIO (kernel_common.h), so the layer computes what its
-// ten nodes compute; the two RMS norms with the residual adds are this file's (ONNX Runtime's
-// SkipSimplifiedLayerNormalization in the unfused graph: the same arithmetic up to the order of
-// the sum of squares). What the fusion removes is ONNX Runtime's per-node work between them: a
+// ten nodes compute; the two RMS norms with the residual adds are this file's, in the
+// arithmetic of ONNX Runtime's SkipSimplifiedLayerNormalization (the unfused graph's op): the
+// layer's outputs are the ten nodes' bit for bit (tested). What the fusion removes is ONNX Runtime's per-node work between them: a
 // node's dispatch, its inputs' and outputs' handling and arena allocations (ten nodes a layer ->
 // one).
 #include <array>
@@ -55,8 +55,10 @@ constexpr size_t kNormedIn = 0, kResidualIn = 1, kQkv = 2, kPositions = 5, kCos 
                  kOffsets = 25;
 constexpr int64_t kNormRowsPerItem = 16;
 
-// rows of out = rms_norm(a + b) * gamma, sum = a + b (sum may be a or b); the mean square in
-// float64 (LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight)
+// Rows of out = rms_norm(a + b) * gamma and sum = a + b (sum may be a or b), in the arithmetic
+// of ONNX Runtime's SkipSimplifiedLayerNormalization (float32; the unfused graphs' op), so
+// that the fused layer computes what its nodes compute, bit for bit: the squares summed in
+// order in float32, rms = sqrt(sum / width + eps), out = x / rms * gamma.
 struct NormStep {
   const float *a, *b, *gamma;
   float *sum, *out;
@@ -70,16 +72,16 @@ void norm_rows(void* user, size_t item) {
   for (int64_t r = static_cast<int64_t>(item) * kNormRowsPerItem; r < end; ++r) {
     const float *a = st.a + r * st.width, *b = st.b + r * st.width;
     float *sum = st.sum + r * st.width, *out = st.out + r * st.width;
-    double squares = 0.0;
-#pragma omp simd reduction(+ : squares)
+    float squares = 0.0f;
     for (int64_t i = 0; i < st.width; ++i) {
       const float x = a[i] + b[i];
       sum[i] = x;
-      squares += static_cast<double>(x) * x;
+      float square = x * x;
+      asm("" : "+m"(square));   // rounded before the add, as ONNX Runtime's build does (no FMA)
+      squares += square;
     }
-    const float inv = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(st.width) + st.epsilon));
-#pragma omp simd
-    for (int64_t i = 0; i < st.width; ++i) out[i] = sum[i] * inv * st.gamma[i];
+    const float rms = std::sqrt(squares / static_cast<float>(st.width) + st.epsilon);
+    for (int64_t i = 0; i < st.width; ++i) out[i] = sum[i] / rms * st.gamma[i];
   }
 }
 
