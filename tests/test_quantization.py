@@ -828,9 +828,31 @@ def test_smollm2_int4_maps_every_q4_1_block(smollm2_int4_engine):
         assert main(["info", "--engine", smollm2_int4_engine]) == 0
     assert ("quantized   int4 (block 32, from gguf:Q4_1, gguf:Q8_0+split), lm_head quantized, "
             "accuracy levels 0, 4 (built 0)") in out.getvalue()
-    assert "graphs      prefill, decode (+ prefill.kernels.onnx, decode.kernels.onnx for the C++ kernels)" in out.getvalue()
+    assert ("graphs      prefill, decode (+ prefill.kernels.onnx, decode.kernels.onnx for the C++ kernels; "
+            "prefill.acc4.onnx, decode.acc4.onnx for accuracy level 4)") in out.getvalue()
     linear_bytes = sum(t["nbytes"] for n, t in m["weights"]["tensors"].items() if n.startswith("layers."))
     assert linear_bytes < 0.22 * 4 * 106e6          # ~6.6 bits per weight (codes, d, m, zero points)
+    # the kernels' graphs: one DecoderLayer node per layer (the lm_head's linear stays its own)
+    assert decoder_layer_nodes(smollm2_int4_engine) == 30
+
+
+def test_generate_stats_print_ttft_and_decode_speed(smollm2_int4_engine):
+    """``trtllm-lite generate --stats`` prints what its help says: TTFT, end-to-end time and
+    the decode speed (QA, session 33: the speed was missing)."""
+    import contextlib
+    import io
+    import re
+
+    from trtllm_lite.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(["generate", "--engine", smollm2_int4_engine, "--prompt", "The capital of France is",
+                     "--max-tokens", "8", "--temperature", "0", "--stats"]) == 0
+    assert "Paris" in out.getvalue()
+    stats = re.search(r"\[ttft (\d+) ms, e2e (\d+) ms, decode ([\d.]+) tokens/s, finish (\w+), steps (\d+)\]",
+                      err.getvalue())
+    assert stats, err.getvalue()
+    assert int(stats[1]) <= int(stats[2]) and float(stats[3]) > 0
 
 
 @pytest.mark.slow

@@ -19,17 +19,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stats", action="store_true", help="print TTFT and decode speed to stderr")
+    p.add_argument("--stats", action="store_true", help="print TTFT, end-to-end time and decode speed (tokens after the first over the time after it) to stderr")
 
 
-async def _stream(llm: AsyncLLM, prompt, params: SamplingParams) -> None:
-    last = None
+async def _stream(llm: AsyncLLM, prompt, params: SamplingParams):
+    """Print the answer as it streams; returns the last output (a delta) and the tokens generated."""
+    last, tokens = None, 0
     async for out in llm.generate(prompt, params):
         sys.stdout.write(out.outputs[0].text)
         sys.stdout.flush()
-        last = out
+        last, tokens = out, tokens + len(out.outputs[0].token_ids)
     sys.stdout.write("\n")
-    return last
+    return last, tokens
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,10 +44,12 @@ def run(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": args.prompt})
             text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             prompt = llm.tokenizer.encode(text, add_special_tokens=False)
-        last = asyncio.run(_stream(llm, prompt, params))
+        last, tokens = asyncio.run(_stream(llm, prompt, params))
         if args.stats and last is not None:
             m, n = last.metrics, llm.engine.stats()
-            print(f"[ttft {m.ttft * 1e3:.0f} ms, e2e {m.e2e * 1e3:.0f} ms, "
+            speed = (f", decode {(tokens - 1) / (m.e2e - m.ttft):.1f} tokens/s"
+                     if tokens > 1 and m.e2e > m.ttft else "")
+            print(f"[ttft {m.ttft * 1e3:.0f} ms, e2e {m.e2e * 1e3:.0f} ms{speed}, "
                   f"finish {last.outputs[0].finish_reason}, steps {n['num_steps']}]", file=sys.stderr)
     finally:
         llm.shutdown()

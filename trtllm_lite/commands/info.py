@@ -51,8 +51,11 @@ def run(args: argparse.Namespace) -> int:
               "the down projections' inputs at run time")
     print(f"weights     {weights / 2**20:.1f} MiB in {m['weights']['file']}")
     kernel_graphs = m.get("graph_variants", {}).get("custom_kernels")
-    print(f"graphs      {', '.join(m['graphs'])}"
-          f"{' (+ ' + ', '.join(kernel_graphs.values()) + ' for the C++ kernels)' if kernel_graphs else ''}; "
+    level_graphs = {level: files for level, files in m.get("graph_variants", {}).get("accuracy_level", {}).items()
+                    if str(level) != str(build.get("accuracy_level"))}
+    extras = [", ".join(kernel_graphs.values()) + " for the C++ kernels"] if kernel_graphs else []
+    extras += [", ".join(files.values()) + f" for accuracy level {level}" for level, files in sorted(level_graphs.items())]
+    print(f"graphs      {', '.join(m['graphs'])}{' (+ ' + '; '.join(extras) + ')' if extras else ''}; "
           f"tokenizer {', '.join(m['tokenizer']['files']) or 'none'}")
     print(f"built with  {', '.join(f'{k} {v}' for k, v in m['versions'].items())}")
     return 0
