@@ -434,6 +434,9 @@ def test_a_request_keeps_the_sampling_params_it_was_given(smollm2_llm):
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ValueError, "text only"),
     ([{"role": "user", "content": None}], ValueError, r"messages\[0\]\.content must be a string"),
     ([{"role": "user", "content": "Hi"}, {"role": 3, "content": "x"}], ValueError, r"messages\[1\]\.role"),
+    # a lone surrogate: named with its offset in the message (it was the templated text's)
+    ([{"role": "user", "content": "Hi"}, {"role": "user", "content": "ok \ud800"}], ValueError,
+     r"^messages\[1\]\.content is not valid Unicode text \(surrogates not allowed at character 3\)"),
 ])
 def test_chat_messages_of_the_wrong_form_are_refused(smollm2_llm, messages, error, match):
     """QA 25: a single message dict was a KeyError 0, a None content a Jinja TypeError, and an

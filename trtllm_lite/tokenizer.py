@@ -94,7 +94,9 @@ class Tokenizer:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's template.
 
         Raises:
-            ValueError: the engine has no chat template, or the template rejects the messages.
+            ValueError: the engine has no chat template, a message is malformed or not valid
+                Unicode (naming ``messages[i].content`` and the character), or the template
+                rejects the messages.
         """
         if not self.chat_template:
             raise ValueError("this engine's tokenizer has no chat template")
@@ -107,6 +109,9 @@ class Tokenizer:
             for key in ("role", "content"):
                 if not isinstance(m[key], str):
                     raise ValueError(f"messages[{i}].{key} must be a string, got {type(m[key]).__name__}")
+                # here, not when the rendered text is tokenized: the error's character offset is
+                # then the message's own, not the templated text's
+                check_unicode(m[key], f"messages[{i}].{key}")
         return _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
 

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import socket
 import time
 import uuid
@@ -90,9 +91,11 @@ def error_response(e: BaseException, prompt_field: str = "prompt") -> JSONRespon
         else classify(e).http
     message = str(e) or type(e).__name__
     first = message.split(" ", 1)[0].rstrip(":,")
-    # a bad parameter's message starts with its name; others ("the engine is shutting down")
-    # name none (a 503's param was "the")
-    param = first if status == 400 and first.isidentifier() and first.islower() else None
+    # a bad parameter's message starts with its name, or a part of it ("messages[1].content":
+    # the request field is "messages"); others ("the engine is shutting down") name none (a
+    # 503's param was "the")
+    field = re.match(r"[a-z_][a-z0-9_]*(?=$|\[|\.)", first)
+    param = field[0] if status == 400 and field else None
     param = prompt_field if param == "prompt" else param
     return JSONResponse(oa.error_body(status, message, param), status_code=status)
 
