@@ -19,7 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stats", action="store_true", help="print TTFT, end-to-end time and decode speed (tokens after the first over the time after it) to stderr")
+    p.add_argument("--stats", action="store_true",
+                   help="print TTFT, end-to-end time, decode speed (tokens after the first over the time "
+                        "after it), the finish reason and the engine's step count to stderr")
 
 
 async def _stream(llm: AsyncLLM, prompt, params: SamplingParams):
