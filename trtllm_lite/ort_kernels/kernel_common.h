@@ -113,12 +113,13 @@ inline OrtStatus* rank_error(size_t index, size_t rank) {
                                          ", above the kernels' " + std::to_string(Dims::kMaxRank));
 }
 
-// Input `index`'s value, shape and element type: one call that allocates nothing where ONNX
-// Runtime has it (g_shape_reference; ~15 inputs a layer at batch 1: SmolLM2 int4 1.015x a step
-// on a 2-core Zen 4 VM), else through a type-and-shape info object.
 template <typename T>
 OrtStatus* data_of(const OrtValue* value, T** out);
 
+// Input `index`'s value, data, shape and element type: one call for the shape and type that
+// allocates nothing where ONNX Runtime has it (g_shape_reference; ~15 inputs a layer at batch 1:
+// SmolLM2 int4 1.015x a step on a 2-core Zen 4 VM), else through a type-and-shape info object;
+// a fused kernel's part gets the fused kernel's tensor (PartIO).
 inline OrtStatus* read_input(OrtKernelContext* ctx, size_t index, Tensor* out) {
   if (g_part) {
     if (index >= g_part->num_inputs)
