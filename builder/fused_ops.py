@@ -308,9 +308,10 @@ def _match_decoder_layer(qkv, consumers: dict, graph_outputs: set):
 
 def fuse_decoder_layers(model):
     """A copy of an ONNX Runtime kernels graph (``*.kernels.onnx``) whose Llama-family decoder
-    layers over 4-bit linears are each one ``trtllm_lite::DecoderLayer`` node
+    layers over 4-bit (or split 8-bit) linears are each one ``trtllm_lite::DecoderLayer`` node
     (``trtllm_lite/ort_kernels/decoder_layer.cc``): the ten nodes from a layer's QKV projection
-    (``QuantizedLinear`` or ``QuantizedLinearWithOffsets``) through ``RotarySplitQKV``,
+    (``QuantizedLinear``, ``QuantizedLinearWithOffsets`` or ``QuantizedLinearSplit8``, all four
+    linears the same) through ``RotarySplitQKV``,
     ``PagedAttention`` (storing its K/V: :func:`builder.paged_attention.with_kv_write_in_op`),
     the o projection, the post-attention ``SkipSimplifiedLayerNormalization``, gate/up,
     ``SiluAndMul`` and down to the next layer's (or the final) norm::
@@ -322,7 +323,7 @@ def fuse_decoder_layers(model):
 
     (each weight: ``qweight, scales, zero_points``). The op has no ONNX function body: only
     sessions with trtllm-lite's kernels registered take these graphs. Layers that are not that
-    chain (biases, other linears, fp32 or w8a8 engines, GPT-2) are left as they are.
+    chain (biases, mixed linears, fp32 or w8a8 engines, GPT-2) are left as they are.
 
     Measured on SmolLM2 int4 at batch 1 (2-core Zen 4 VM): ONNX Runtime's work between nodes
     and the kernels' input and output handling were ~1.3 ms of a ~6 ms step with ten nodes a
@@ -347,14 +348,15 @@ def fuse_decoder_layers(model):
     fused: dict[int, object] = {}      # id of a layer's last node -> its DecoderLayer node
     removed: set[int] = set()
     for node in graph.node:
-        if node.domain != DOMAIN or node.op_type not in (QUANTIZED_LINEAR_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE):
+        if node.domain != DOMAIN or node.op_type not in QUANTIZED_LINEAR_OP_TYPES:
             continue
         chain = _match_decoder_layer(node, consumers, graph_outputs)
         if chain is None or any(id(n) in removed for n in chain):
             continue
         qkv, rotary, attention, _, o, mlp_norm, gate_up, _, down, next_norm = chain
         linears = dict(zip(_LAYER_LINEARS, (qkv, o, gate_up, down)))
-        offsets = qkv.op_type == QUANTIZED_LINEAR_OFFSETS_OP_TYPE
+        split8 = qkv.op_type == QUANTIZED_LINEAR_SPLIT8_OP_TYPE
+        offsets = split8 or qkv.op_type == QUANTIZED_LINEAR_OFFSETS_OP_TYPE
         inputs = [qkv.input[0], mlp_norm.input[0], *qkv.input[1:4], *rotary.input[1:4], *attention.input[3:9],
                   *o.input[1:4], mlp_norm.input[2], *gate_up.input[1:4], *down.input[1:4], next_norm.input[2]]
         if offsets:
@@ -365,7 +367,7 @@ def fuse_decoder_layers(model):
             attributes.update({f"{name}_N": a["N"], f"{name}_K": a["K"], f"{name}_block_size": a["block_size"]})
         rotary_attributes, attention_attributes = _attributes(rotary), _attributes(attention)
         attributes.update(num_heads=rotary_attributes["num_heads"], num_kv_heads=rotary_attributes["num_kv_heads"],
-                          scale=attention_attributes["scale"], kv_write_in_op=1,
+                          scale=attention_attributes["scale"], kv_write_in_op=1, split8=int(split8),
                           mlp_epsilon=_attributes(mlp_norm)["epsilon"], next_epsilon=_attributes(next_norm)["epsilon"])
         fused[id(next_norm)] = helper.make_node(
             DECODER_LAYER_OP_TYPE, inputs, [next_norm.output[0], next_norm.output[3]],

@@ -475,8 +475,10 @@ def test_tiny_quantized_engine_matches_hf_on_dequantized_weights(tiny_model, tmp
                    max_num_seqs=16, block_size=4, quantization=quantization, quant_block_size=block_size,
                    quant_symmetric=symmetric, accuracy_level=0)   # float32 activations: exact
     reference = dequantized_hf(hf, hf_dir, quantization, block_size, symmetric)
-    # the kernels' graphs: a Llama layer over 4-bit linears is one DecoderLayer node; a split
-    # 8-bit weight or a QKV bias (Qwen2) keeps the layer's own nodes
+    # the kernels' graphs: a Llama layer over 4-bit (or split 8-bit) linears is one DecoderLayer
+    # node; a QKV bias (Qwen2), or linears of two kinds (int8 splits a weight only where K is a
+    # multiple of twice the block: at block 64 the tiny model's others stay MatMulNBits) keep
+    # the layer's own nodes
     fused = decoder_layer_nodes(engine)
     assert fused == (hf.config.num_hidden_layers if (kind, quantization) == ("llama-gqa", "int4") else 0)
     llm, prompts, logits = three_prompts_logits(engine)
@@ -501,9 +503,10 @@ def decoder_layer_nodes(engine: str, kind: str = "decode") -> int:
     return sum(n.op_type == "DecoderLayer" for n in graph.node)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])
-def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_path, kv_cache_dtype):
-    """An int4 engine's kernels graphs hold one DecoderLayer node per layer
+@pytest.mark.parametrize("quantization, kv_cache_dtype", [("int4", "float32"), ("int4", "float16"),
+                                                          ("int8", "float32")])
+def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_path, quantization, kv_cache_dtype):
+    """An int4 (or int8: split 8-bit linears) engine's kernels graphs hold one DecoderLayer node per layer
     (builder.fused_ops.fuse_decoder_layers, trtllm_lite/ort_kernels/decoder_layer.cc): prompts
     in chunks, steps mixing prompt chunks with decodes, and decodes give the tokens and
     logprobs of the same engine with each layer's ten nodes, bit for bit (a float16 pool rounds
@@ -518,7 +521,7 @@ def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_p
 
     if ort_kernels.library_path() is None:
         pytest.skip("the DecoderLayer op is trtllm-lite's kernels' (no C++ compiler here)")
-    hf, engine = tiny_model("llama-gqa", quantization="int4", quant_block_size=32, quant_symmetric=False,
+    hf, engine = tiny_model("llama-gqa", quantization=quantization, quant_block_size=32, quant_symmetric=False,
                             accuracy_level=0, kv_cache_dtype=kv_cache_dtype)
     unfused = str(tmp_path / "unfused")
     shutil.copytree(engine, unfused)

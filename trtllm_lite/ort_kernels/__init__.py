@@ -14,7 +14,7 @@ ONNX Runtime custom operators in the ``trtllm_lite`` domain (``register.cc`` add
   (``quantized_linear.cc``): a 4-bit (or split 8-bit) block-quantized linear at float32
   activations, in place of MatMulNBits (+ AddBlockOffsets) (``builder/fused_ops.py``,
   ``docs/quantization.md``);
-* ``DecoderLayer`` (``decoder_layer.cc``): a Llama-family layer over 4-bit linears in one node,
+* ``DecoderLayer`` (``decoder_layer.cc``): a Llama-family layer over 4-bit (or split 8-bit) linears in one node,
   its parts the kernels above (``builder.fused_ops.fuse_decoder_layers``; only in the
   ``*.kernels.onnx`` graphs, which only sessions with this library read: it has no function
   body).

@@ -1,4 +1,5 @@
-// trtllm_lite::DecoderLayer: a Llama-family decoder layer of a 4-bit engine in one node, from
+// trtllm_lite::DecoderLayer: a Llama-family decoder layer of a 4-bit (or split 8-bit) engine in
+// one node, from
 // its attention's input norm's output to the next layer's (or the final) norm
 // (builder/fused_ops.py fuse_decoder_layers writes it into the *.kernels.onnx graphs):
 //
@@ -20,7 +21,8 @@
 //            21-23 down's weight, 24 next_norm [hidden] float32, 25-28 (optional, all or none)
 //            the four linears' offsets (QuantizedLinearWithOffsets')
 //   attrs    {qkv,o,gate_up,down}_{N,K,block_size}, num_heads, num_kv_heads, scale,
-//            kv_write_in_op, mlp_epsilon, next_epsilon
+//            kv_write_in_op, mlp_epsilon, next_epsilon, split8 (1: the linears are
+//            QuantizedLinearSplit8's, K the halves' width, twice x's; offsets then given)
 //   outputs  normed_out [T, hidden] float32, residual_out [T, hidden] float32
 //
 // Each part is the op's own kernel (quantized_linear.cc, elementwise.cc, paged_attention.cc),
@@ -97,7 +99,7 @@ struct Linear {
 
 struct Kernel : KernelBase {
   Linear qkv, o, gate_up, down;
-  int64_t num_heads = 0, num_kv_heads = 0, kv_write_in_op = 1;
+  int64_t num_heads = 0, num_kv_heads = 0, kv_write_in_op = 1, split8 = 0;
   float scale = 1.0f, mlp_epsilon = 1e-6f, next_epsilon = 1e-6f;
   // the parts, made on the first call (when the node's offsets are known to be there or not)
   std::unique_ptr<KernelBase> qkv_part, rotary_part, attention_part, o_part, gate_up_part, silu_part, down_part;
@@ -109,10 +111,11 @@ struct Kernel : KernelBase {
 
 OrtStatus* Kernel::make_parts(bool offsets) {
   with_offsets = offsets;
-  qkv_part.reset(new_quantized_linear(qkv.n, qkv.k, qkv.block_size, offsets));
-  o_part.reset(new_quantized_linear(o.n, o.k, o.block_size, offsets));
-  gate_up_part.reset(new_quantized_linear(gate_up.n, gate_up.k, gate_up.block_size, offsets));
-  down_part.reset(new_quantized_linear(down.n, down.k, down.block_size, offsets));
+  const bool split = split8 == 1;
+  qkv_part.reset(new_quantized_linear(qkv.n, qkv.k, qkv.block_size, offsets, split));
+  o_part.reset(new_quantized_linear(o.n, o.k, o.block_size, offsets, split));
+  gate_up_part.reset(new_quantized_linear(gate_up.n, gate_up.k, gate_up.block_size, offsets, split));
+  down_part.reset(new_quantized_linear(down.n, down.k, down.block_size, offsets, split));
   rotary_part.reset(new_rotary_split_qkv(num_heads, num_kv_heads));
   attention_part.reset(new_paged_attention(scale, kv_write_in_op == 1));
   silu_part.reset(new_silu_and_mul());
@@ -147,21 +150,22 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
       ++offsets;
     }
   }
-  if (offsets != 0 && offsets != 4)
-    return error(ORT_INVALID_ARGUMENT, "DecoderLayer: the linears' offsets must be given for all four or none, got " +
-                                           std::to_string(offsets));
+  if ((offsets != 0 && offsets != 4) || (split8 == 1 && offsets != 4))
+    return error(ORT_INVALID_ARGUMENT, "DecoderLayer: the linears' offsets must be given for all four or none "
+                                       "(all four for split 8-bit linears), got " + std::to_string(offsets));
   {
     std::lock_guard<std::mutex> lock(mutex);   // (sessions may run on several threads at once)
     if (!qkv_part || with_offsets != (offsets == 4)) RETURN_IF_ERROR(make_parts(offsets == 4));
   }
   const Tensor& x = in[kNormedIn];
   const Tensor& residual = in[kResidualIn];
-  if (x.dims.size() != 2 || residual.dims != x.dims || x.dims[1] != qkv.k || o.n != x.dims[1] ||
+  const int64_t x_width = split8 == 1 ? qkv.k / 2 : qkv.k;   // a split 8-bit weight's K is twice x's
+  if (x.dims.size() != 2 || residual.dims != x.dims || x.dims[1] != x_width || o.n != x.dims[1] ||
       down.n != x.dims[1] || in[kMlpNorm].dims != Dims{x.dims[1]} || in[kNextNorm].dims != Dims{x.dims[1]})
     return error(ORT_INVALID_ARGUMENT, "DecoderLayer: normed_in " + dims_string(x.dims) + ", residual_in " +
                                            dims_string(residual.dims) + ", mlp_norm " + dims_string(in[kMlpNorm].dims) +
                                            ", next_norm " + dims_string(in[kNextNorm].dims) + " are not [T, " +
-                                           std::to_string(qkv.k) + "] twice and [" + std::to_string(qkv.k) + "]");
+                                           std::to_string(x_width) + "] twice and [" + std::to_string(x_width) + "]");
   const int64_t T = x.dims[0], hidden = x.dims[1];
   // the intermediates: per calling thread, reused layer after layer
   thread_local std::vector<float> buffers[8];
@@ -223,6 +227,7 @@ OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
     RETURN_IF_ERROR(int_attribute(info, "num_heads", &k.num_heads));
     RETURN_IF_ERROR(int_attribute(info, "num_kv_heads", &k.num_kv_heads));
     RETURN_IF_ERROR(optional_int_attribute(info, "kv_write_in_op", &k.kv_write_in_op));
+    RETURN_IF_ERROR(optional_int_attribute(info, "split8", &k.split8));
     RETURN_IF_ERROR(float_attribute(info, "scale", &k.scale));
     RETURN_IF_ERROR(float_attribute(info, "mlp_epsilon", &k.mlp_epsilon));
     return float_attribute(info, "next_epsilon", &k.next_epsilon);

@@ -413,7 +413,7 @@ const OrtCustomOp* quantized_linear_split8_op();
 const OrtCustomOp* decoder_layer_op();
 
 // The parts of a fused kernel (decoder_layer.cc), made with the attributes their own nodes take.
-KernelBase* new_quantized_linear(int64_t n, int64_t k, int64_t block_size, bool with_offsets);
+KernelBase* new_quantized_linear(int64_t n, int64_t k, int64_t block_size, bool with_offsets, bool split8);
 KernelBase* new_paged_attention(float scale, bool kv_write_in_op);
 KernelBase* new_rotary_split_qkv(int64_t num_heads, int64_t num_kv_heads);
 KernelBase* new_silu_and_mul();

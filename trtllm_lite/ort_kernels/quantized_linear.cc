@@ -1305,12 +1305,13 @@ OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
 
 }  // namespace
 
-KernelBase* new_quantized_linear(int64_t n, int64_t k, int64_t block_size, bool with_offsets) {
+KernelBase* new_quantized_linear(int64_t n, int64_t k, int64_t block_size, bool with_offsets, bool split8) {
   Kernel* kernel = new Kernel();
   kernel->n = n;
   kernel->kernel_k = k;
   kernel->block_size = block_size;
-  kernel->with_offsets = with_offsets;
+  kernel->with_offsets = with_offsets || split8;
+  kernel->split8 = split8;
   return kernel;
 }
 
