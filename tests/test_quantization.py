@@ -839,13 +839,23 @@ def test_smollm2_int4_maps_every_q4_1_block(smollm2_int4_engine):
     assert decoder_layer_nodes(smollm2_int4_engine) == 30
 
 
-def test_load_runs_the_graphs_once_and_leaves_no_trace(smollm2_int4_engine):
+def test_load_runs_the_graphs_once_and_leaves_no_trace(smollm2_int4_engine, monkeypatch):
     """The runner calls each session once at load (the kernels repack their weights at their
     first call, which was the first request's TTFT: 700-900 ms for SmolLM2 int4, QA session
-    33), on a dummy sequence whose K/V it then clears: the pool is all zeros, no step or graph
-    time is counted, and generation is as without it (the other tests)."""
+    33), on a dummy sequence whose K/V it then clears: each session ran exactly once before any
+    request, the pool is all zeros, no step or graph time is counted, and generation is as
+    without it (the other tests)."""
+    runs = []
+    run = ort.InferenceSession.run_with_iobinding
+
+    def counted(session, *args, **kwargs):   # the real call, counted
+        runs.append(id(session))
+        return run(session, *args, **kwargs)
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", counted)
     llm = LLM(smollm2_int4_engine, num_kv_blocks=16, verify_checksums=False)
     runner = llm.engine.runner
+    assert sorted(runs) == sorted(id(s) for s in runner.sessions.values())
     assert not runner.key_cache.any() and not runner.value_cache.any()
     assert runner.graph_time_s == 0 and llm.engine.num_steps == 0
 
