@@ -600,6 +600,11 @@ def test_bad_json_is_400(server):
                    timeout=30, headers={"content-type": "application/json"})   # Latin-1, not UTF-8 (QA 21)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"] == "the body is not valid UTF-8: byte 15: invalid continuation byte"
+    # UTF-16 with its byte order mark is read as such; an odd byte count is named as UTF-16's
+    # fault (it was called UTF-8: QA, session 33)
+    r = httpx.post(f"http://{server.http}/v1/completions", content=b'\xff\xfe{"prompt":"hi"}',
+                   timeout=30, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the body is not valid UTF-16: byte 16: truncated data"
     for body, reason in ((b'{"max_tokens": ' + b"9" * 5000 + b"}", "integer string conversion"),
                          (b"[" * 100_000, "recursion")):   # (QA 22: FastAPI's generic 400 before)
         r = httpx.post(f"http://{server.http}/v1/completions", content=body, timeout=30,

@@ -294,7 +294,9 @@ class OpenAIServer:
             try:
                 json.loads(body)
             except UnicodeDecodeError as e:
-                message = f"the body is not valid UTF-8: byte {e.start}: {e.reason}"
+                # (the encoding Python's reader took: UTF-8, or UTF-16/32 from a byte order mark)
+                encoding = e.encoding.upper().removesuffix("-LE").removesuffix("-BE")
+                message = f"the body is not valid {encoding}: byte {e.start}: {e.reason}"
             except (ValueError, RecursionError) as e:
                 message = f"the body could not be read as JSON: {str(e)[:200]}"
         return JSONResponse(oa.error_body(exc.status_code, message), status_code=exc.status_code,
