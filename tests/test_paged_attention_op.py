@@ -169,7 +169,10 @@ DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
     (9, 3, 64, 16, [48], [1]),
     (9, 3, 64, 16, [33], [1]),
     (9, 3, 64, 16, [40], [1]),
-    # 8 sequences or more: a work item per sequence (all KV heads) instead of per head
+    # two sequences or more (unchunked): a work item per sequence (all KV heads), the next
+    # block prefetched a share per query head (4-7 sequences, and 8 or more)
+    (9, 3, 64, 16, [300, 5, 129, 64, 17], [1] * 5),
+    (8, 2, 32, 16, [33, 250, 96, 0], [1] * 4),
     (9, 3, 64, 16, [200, 0, 17, 64, 3, 150, 90, 33, 1, 400, 16, 77], [1] * 12),
     (6, 2, 20, 4, [1, 30, 4, 64, 13, 0, 7, 22, 9], [1] * 9),
     # blocks longer than 16 rows: the score pass's 16-position tiles and their masked tail, the
