@@ -1,6 +1,5 @@
 // trtllm_lite::DecoderLayer: a Llama-family decoder layer of a 4-bit (or split 8-bit) engine in
-// one node, from
-// its attention's input norm's output to the next layer's (or the final) norm
+// one node, from its attention's input norm's output to the next layer's (or the final) norm
 // (builder/fused_ops.py fuse_decoder_layers writes it into the *.kernels.onnx graphs):
 //
 //   qkv   = QuantizedLinear(normed_in)                     [T, (H + 2 Hkv) D]
@@ -29,9 +28,9 @@
 // run on this node's tensors through PartIO (kernel_common.h), so the layer computes what its
 // ten nodes compute; the two RMS norms with the residual adds are this file's, in the
 // arithmetic of ONNX Runtime's SkipSimplifiedLayerNormalization (the unfused graph's op): the
-// layer's outputs are the ten nodes' bit for bit (tested). What the fusion removes is ONNX Runtime's per-node work between them: a
-// node's dispatch, its inputs' and outputs' handling and arena allocations (ten nodes a layer ->
-// one).
+// layer's outputs are the ten nodes' bit for bit (tested). What the fusion removes is ONNX
+// Runtime's per-node work between them: a node's dispatch, its inputs' and outputs' handling
+// and arena allocations (ten nodes a layer -> one).
 #include <array>
 #include <mutex>
 
