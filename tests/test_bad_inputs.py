@@ -367,6 +367,33 @@ def test_serve_cli_rejects_a_token_budget_below_max_num_seqs(smollm2_engine):
     assert "error: max_num_batched_tokens (4) must be greater than or equal to max_num_seqs (8)" in done.stderr
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--shutdown-grace", "-1", "shutdown_grace must be a finite number of seconds >= 0, got -1.0"),
+    ("--shutdown-grace", "nan", "shutdown_grace must be a finite number of seconds >= 0, got nan"),
+    ("--request-timeout", "0", "request_timeout must be a finite number of seconds > 0, got 0.0"),
+])
+def test_serve_cli_refuses_a_grace_or_timeout_out_of_range(smollm2_engine, flag, value, message):
+    """QA, session 34: ``--shutdown-grace -1`` was taken (and acted as 0 at SIGTERM); such
+    values are refused with one line naming the parameter, before the engine loads."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "trtllm_lite.cli", "serve", "--engine", smollm2_engine,
+                           "--no-verify-checksums", "--num-kv-blocks", "16", "--port", "0", flag, value],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"trtllm-lite serve: error: {message}" in done.stderr
+
+
+def test_generate_cli_refuses_a_system_message_without_chat(smollm2_engine, capsys):
+    """QA, session 34: ``generate --system`` without ``--chat`` was silently dropped (the
+    answer was the plain prompt's); it is refused, naming both flags."""
+    from trtllm_lite.cli import main
+
+    assert main(["generate", "--engine", smollm2_engine, "--prompt", "hi", "--system", "Answer in French"]) == 1
+    assert "trtllm-lite generate: error: --system is a chat message: it needs --chat" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("salt, error", [(3, TypeError), ("", ValueError), ("a\udc00", ValueError)])
 def test_bad_cache_salt_names_it(smollm2_llm, salt, error):
     with pytest.raises(error, match="cache_salt"):

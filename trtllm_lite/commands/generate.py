@@ -36,6 +36,8 @@ async def _stream(llm: AsyncLLM, prompt, params: SamplingParams):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.system is not None and not args.chat:   # (QA, session 34: it was silently dropped)
+        raise ValueError("--system is a chat message: it needs --chat")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     llm = AsyncLLM(args.engine)

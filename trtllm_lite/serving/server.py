@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -52,11 +53,15 @@ class ServerConfig:
         tls_cert, tls_key: PEM files; both or neither.
         max_waiting_requests: requests waiting to be scheduled at most (RESOURCE_EXHAUSTED beyond).
         max_message_bytes: largest gRPC message received or sent (bytes).
-        request_timeout: seconds a request may run at most (None: no limit).
-        shutdown_grace: seconds the server takes to stop on SIGTERM / SIGINT, all told:
+        request_timeout: seconds a request may run at most (> 0; None: no limit).
+        shutdown_grace: seconds the server takes to stop on SIGTERM / SIGINT, all told (>= 0):
             in-flight requests get ``shutdown_grace`` less up to 2 s kept for the final
             flush to finish, then the rest are aborted.
         engine_options: ``LLMEngine`` keyword arguments (max_num_seqs, num_threads, ...).
+
+    Raises:
+        ValueError: a value out of its range (named), TLS files not given together, an API
+            key no client could send.
     """
 
     engine_dir: str
@@ -83,6 +88,11 @@ class ServerConfig:
                              "HTTP headers carry it as is): a key with other characters could never be sent")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        # (QA, session 34: a negative grace was taken, and acted as 0)
+        if not (math.isfinite(self.shutdown_grace) and self.shutdown_grace >= 0):
+            raise ValueError(f"shutdown_grace must be a finite number of seconds >= 0, got {self.shutdown_grace}")
+        if self.request_timeout is not None and not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
+            raise ValueError(f"request_timeout must be a finite number of seconds > 0, got {self.request_timeout}")
         if self.served_model_name is None:
             self.served_model_name = os.path.basename(os.path.normpath(self.engine_dir))
 
