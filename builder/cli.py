@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "inputs (QuaRot) so int8 activations lose less (default: on for the Llama family's w8a8)")
     p.add_argument("--accuracy-level", type=int, default=None, choices=[0, 1, 2, 3, 4],
                    help="MatMulNBits compute precision: 0 float32 activations (default), "
-                        "4 int8 activations (faster, changes results)")
+                        "4 int8 activations (faster, changes results); 1-3 (float32 / float16 / "
+                        "bfloat16 compute) are passed to the nodes as they are")
 
 
 def run(args: argparse.Namespace) -> int:
