@@ -164,17 +164,17 @@ inline void for_each_block(const Step& st, int64_t s, int64_t h, const KV* pool,
   const int64_t* table = st.block_tables + s * st.max_blocks;
   const int64_t block_floats = bs * hkv * d;   // elements (float or float16) a block holds
   const int64_t bytes = block_floats * static_cast<int64_t>(sizeof(KV));
-  auto fetch = [&](int64_t block_index) {      // blocks lie anywhere in the pool
-    const char* p = reinterpret_cast<const char*>(pool + table[block_index] * block_floats);
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line, 0, 2);   // prefetcht1
+  auto block_at = [&](int64_t block_index) {   // a block's prefetch (blocks lie anywhere in the pool)
+    return BlockPrefetch{reinterpret_cast<const char*>(pool + table[block_index] * block_floats), bytes};
   };
+  auto fetch = [&](int64_t block_index) { block_at(block_index).upto(1, 1); };   // all its lines at once
   if (begin < end) fetch(begin / bs);
   for (int64_t start = begin; start < end; start += bs) {
     const KV* rows = pool + table[start / bs] * block_floats + h * d;
     const int64_t len = std::min(bs, end - start);
     if constexpr (std::is_invocable_v<Fn, const KV*, int64_t, int64_t, BlockPrefetch&>) {
       BlockPrefetch next;
-      if (start + bs < end) next = {reinterpret_cast<const char*>(pool + table[start / bs + 1] * block_floats), bytes};
+      if (start + bs < end) next = block_at(start / bs + 1);
       fn(rows, start, len, next);
       next.upto(1, 1);
     } else {
