@@ -492,6 +492,7 @@ def test_chat_takes_openai_text_parts_as_the_http_server_does(smollm2_llm):
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be a bool"),
     (dict(enable_chunked_prefill="no"), "enable_chunked_prefill must be a bool"),
     (dict(verify_checksums="no"), "verify_checksums must be a bool"), (dict(offline="yes"), "offline must be a bool"),
+    (dict(kv_cache_prefault="no"), "kv_cache_prefault must be a bool"),
 ])
 def test_engine_options_of_the_wrong_type_or_range_are_named(tiny_model, kwargs, match):
     """QA 25: these failed inside numpy or ONNX Runtime naming nothing, or were accepted."""

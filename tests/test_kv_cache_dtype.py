@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 
 import numpy as np
@@ -251,3 +252,30 @@ def test_tensorrt_accepts_a_kv_cache_dtype_equal_to_its_dtype():
     engine = EngineDir("/nonexistent", {"build": {"backend": "tensorrt", "dtype": "float16",
                                                   "kv_cache_dtype": "float16"}})
     assert engine.kv_pool_dtype == "float16"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc/self/statm")
+def test_prefault_commits_the_pool_at_start_and_lazy_pools_commit_as_used(tiny_model):
+    """``kv_cache_prefault`` (the default) writes the pools while loading, so the process's RSS
+    holds them before any step; with it off, loading commits almost none of the pool. Both
+    engines generate the same tokens."""
+    _, engine_dir = tiny_model("llama-gqa")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs, growth = {}, {}
+    for prefault in (False, True):
+        before = _rss_bytes()
+        llm = LLM(engine_dir, num_kv_blocks=1 << 16, kv_cache_prefault=prefault)
+        runner = llm.engine.runner
+        pool = runner.key_cache.nbytes + runner.value_cache.nbytes
+        growth[prefault] = (_rss_bytes() - before) / pool
+        outputs[prefault] = llm.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
+        del llm, runner
+    assert pool > 100 << 20
+    assert growth[True] > 0.9, growth
+    assert growth[False] < 0.5, growth
+    assert outputs[True] == outputs[False]

@@ -22,6 +22,13 @@ NAMES = {"ours-fp32": "trtllm-lite fp32", "ours-fp32-kv16": "trtllm-lite fp32, f
 OURS_SWEPT = ("ours-fp32", "ours-fp32-kv16", "ours-int4", "ours-w8a8", "ours-w8a8-1plane")   # engines with a concurrency sweep
 
 
+def _pool_commit(mem: dict) -> str:
+    """How the run's KV pool was committed (older runs' JSON has no ``kv_cache_prefault``)."""
+    if mem.get("kv_cache_prefault"):
+        return f"committed at start, kv_cache_prefault; the engine loaded in {mem['load_s']:.1f} s"
+    return "pages committed as blocks are first used"
+
+
 def _fmt(x, digits=1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
@@ -302,8 +309,8 @@ class Report:
             if mem and self.get(k, "random"):
                 L += ["", f"Memory, {NAMES[k]} serving the random workload: peak RSS "
                           f"{self.get(k, 'peak_rss_bytes') / 1e6:.0f} MB; weights {mem['weights_bytes'] / 1e6:.0f} MB; "
-                          f"KV pool {mem['kv_pool_bytes'] / 1e6:.0f} MB allocated (pages are committed as blocks are first "
-                          f"used; peak {(self.get(k, 'random') or {}).get('peak_kv_blocks', 0)} "
+                          f"KV pool {mem['kv_pool_bytes'] / 1e6:.0f} MB ({_pool_commit(mem)}; peak "
+                          f"{(self.get(k, 'random') or {}).get('peak_kv_blocks', 0)} "
                           f"blocks of {mem['kv_bytes_per_block'] / 1e6:.2f} MB)."]
         L += ["", "### Targets (issue #9, and issue #2's measure)", "", "| target | measured | met |", "|---|---:|:-:|"]
         for name, value, ok in self.targets():

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--system is a chat message: it needs --chat")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    llm = AsyncLLM(args.engine)
+    llm = AsyncLLM(args.engine, kv_cache_prefault=False)   # one request: commit only the blocks it writes
     try:
         prompt = args.prompt
         if args.chat:

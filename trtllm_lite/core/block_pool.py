@@ -6,10 +6,11 @@ its hash (a *cached* block) until the pool needs it.
 
 Allocation takes, in order: free blocks that hold nothing cached (most recently freed
 first), blocks never used yet, then cached blocks least-recently-freed first (evicting
-them). So cached prefixes survive while other blocks are free, and on the CPU, where the
-pool is committed page by page as blocks are first written, a server touches only as much
-of it as its peak load needs (an LRU queue over all blocks walked the whole pool: SmolLM2
-fp32 with a 2 GiB pool then peaked ~0.5 GB higher after a few workloads).
+them). So cached prefixes survive while other blocks are free, and on the CPU, where a pool
+made with ``kv_cache_prefault=False`` is committed page by page as blocks are first
+written, a server touches only as much of it as its peak load needs (an LRU queue over all
+blocks walked the whole pool: SmolLM2 fp32 with a 2 GiB pool then peaked ~0.5 GB higher
+after a few workloads).
 """
 from __future__ import annotations
 

@@ -79,6 +79,19 @@ def physical_memory_bytes() -> int:
         return 1 << 62
 
 
+def available_memory_bytes() -> int:
+    """Memory the host can give this process now, in bytes (``MemAvailable`` of
+    ``/proc/meminfo``; :func:`physical_memory_bytes` where that cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return physical_memory_bytes()
+
+
 class LLMEngine:
     """Owns the runner, the KV cache manager and the scheduler; :meth:`step` runs one step.
 
@@ -93,6 +106,12 @@ class LLMEngine:
             what ``max_num_seqs`` sequences of ``max_seq_len`` tokens can use); a float16
             pool (build's kv_cache_dtype) fits twice the blocks of a float32 one.
         num_kv_blocks: pool size in blocks, overriding ``kv_cache_memory_bytes``.
+        kv_cache_prefault: commit the pool's memory at start (ONNX Runtime: the pools are
+            written once while loading, ~0.1-1.2 s/GB here), as a GPU pool's allocation
+            does: no step pays the page faults (1.06-1.10x on the 64 random-length requests
+            of ``tools/bench.py``), and a host short of memory fails at start, not under
+            load. False commits pages as blocks are first written, so RSS follows the peak
+            load instead of the pool's size.
         enable_chunked_prefill: cut long prompts into budget-sized chunks.
         enable_prefix_caching: share full KV blocks between requests with equal prefixes.
         max_waiting: waiting requests at most; more raise ``OverflowError`` (queue full).
@@ -108,20 +127,21 @@ class LLMEngine:
         EngineError: the engine directory is missing, of another format, or corrupted.
         ValueError: an option is not an integer or out of range (the message names it),
             ``num_kv_blocks`` needs more memory than the machine has (ONNX Runtime: host
-            memory), or
+            memory), the pool to prefault is larger than the memory available now, or
             ``max_num_batched_tokens`` (given or default) is below ``max_num_seqs``.
     """
 
     def __init__(self, engine_dir: str, *, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_seq_len: int | None = None,
                  kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
+                 kv_cache_prefault: bool = True, enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  max_waiting: int = 1 << 20, num_threads: int | None = None,
                  seed: int | None = None, verify_checksums: bool = True,
                  speculative_config: "SpeculativeConfig | dict | None" = None, offline: bool = False):
         for name, value in (("enable_chunked_prefill", enable_chunked_prefill),
                             ("enable_prefix_caching", enable_prefix_caching),
-                            ("verify_checksums", verify_checksums), ("offline", offline)):
+                            ("verify_checksums", verify_checksums), ("offline", offline),
+                            ("kv_cache_prefault", kv_cache_prefault)):
             if not isinstance(value, (bool, np.bool_)):   # ("no" is truthy: it turned the feature on)
                 raise ValueError(f"{name} must be a bool, got {value!r}")
         self.engine = load_engine_dir(engine_dir, verify_checksums=verify_checksums)
@@ -164,6 +184,12 @@ class LLMEngine:
         elif self.engine.backend == "onnxruntime" and num_kv_blocks * bytes_per_block > physical_memory_bytes():
             raise ValueError(f"num_kv_blocks {num_kv_blocks} needs {num_kv_blocks * bytes_per_block} bytes of K/V "
                              f"pools, more than this machine's memory ({physical_memory_bytes()} bytes)")
+        pool_bytes = num_kv_blocks * bytes_per_block
+        self.kv_cache_prefault = bool(kv_cache_prefault) and self.engine.backend == "onnxruntime"
+        if self.kv_cache_prefault and pool_bytes > available_memory_bytes():
+            raise ValueError(f"the KV pools ({pool_bytes} bytes) are larger than the memory available now "
+                             f"({available_memory_bytes()} bytes): lower kv_cache_memory_bytes or num_kv_blocks, "
+                             "or pass kv_cache_prefault=False to commit the pool as it is used")
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = self._make_runner(num_kv_blocks, num_threads)
@@ -188,7 +214,8 @@ class LLMEngine:
         if backend == "onnxruntime":
             from ..runners.onnxruntime_runner import OnnxRuntimeRunner
 
-            return OnnxRuntimeRunner(self.engine, num_kv_blocks, num_threads)
+            return OnnxRuntimeRunner(self.engine, num_kv_blocks, num_threads,
+                                     prefault_kv_cache=self.kv_cache_prefault)
         if backend in ("tensorrt", "tensorrt-rtx"):
             from ..runners.tensorrt_runner import TensorRTRunner
 
@@ -207,7 +234,7 @@ class LLMEngine:
 
         return DraftModelProposer(c.draft_engine, c.num_speculative_tokens,
                                   c.draft_num_kv_blocks or num_kv_blocks, self.model_config["vocab_size"],
-                                  num_threads)
+                                  num_threads, prefault_kv_cache=self.kv_cache_prefault)
 
     # -- requests -------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -19,6 +19,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: build value)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="K and V pool memory (bytes)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
+    g.add_argument("--no-kv-cache-prefault", action="store_true",
+                   help="commit the KV pool's memory as blocks are first used, not at start (CPU)")
     g.add_argument("--num-threads", type=int, default=None, help="backend threads (default: all cores)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="never cut prompts into chunks")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks between prompts")
@@ -61,6 +63,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         opts["enable_prefix_caching"] = False
     if args.no_verify_checksums:
         opts["verify_checksums"] = False
+    if args.no_kv_cache_prefault:
+        opts["kv_cache_prefault"] = False
     if getattr(args, "speculative_config", None):
         opts["speculative_config"] = args.speculative_config
     return opts

@@ -45,13 +45,15 @@ class DraftModelProposer:
         num_kv_blocks: the draft pool's size in blocks.
         vocab_size: the target's vocabulary size (must match).
         num_threads: backend threads.
+        prefault_kv_cache: commit the draft pool's memory at start (see
+            :class:`~trtllm_lite.runners.onnxruntime_runner.OnnxRuntimeRunner`).
 
     Raises:
         ValueError: the draft's vocabulary differs from the target's.
     """
 
     def __init__(self, engine_dir: str, k: int, num_kv_blocks: int, vocab_size: int,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, prefault_kv_cache: bool = False):
         from ..runners.onnxruntime_runner import OnnxRuntimeRunner
 
         self.engine = load_engine_dir(engine_dir)
@@ -63,7 +65,8 @@ class DraftModelProposer:
         # the draft's graphs hold positions [0, max_seq_len): a sequence past them gets no more
         # proposals (a shorter draft failed the request at its rotary tables; QA 25)
         self.max_seq_len = self.engine.build["max_seq_len"]
-        self.runner = OnnxRuntimeRunner(self.engine, num_kv_blocks, num_threads)
+        self.runner = OnnxRuntimeRunner(self.engine, num_kv_blocks, num_threads,
+                                        prefault_kv_cache=prefault_kv_cache)
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, enable_prefix_caching=False)
         self.states: dict[object, DraftState] = {}
 

@@ -38,6 +38,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("max_seq_len", int, "prompt + output tokens at most (default: build value)"),
     Option("kv_cache_memory_bytes", int, "bytes for the K and V pools (default 1 GiB, capped)"),
     Option("num_kv_blocks", int, "KV pool size in blocks (overrides kv_cache_memory_bytes)"),
+    Option("kv_cache_prefault", bool, "commit the KV pool's memory at start (default true; CPU)"),
     Option("enable_chunked_prefill", bool, "cut long prompts into budget-sized chunks (default true)"),
     Option("enable_prefix_caching", bool, "share KV blocks of equal prompt prefixes (default true)"),
     Option("max_waiting", int, "waiting requests at most; more are refused (UNAVAILABLE)"),
