@@ -34,9 +34,10 @@ from .model_config import ModelConfig
 from .onnx_graph import MS_DOMAIN, OPSET, NodeWriter, WeightStore
 from .fused_ops import (BLOCK_HADAMARD_OP_TYPE, DEQUANTIZE_ROWS_OP_TYPE, OFFSETS_OP_TYPE, QUANTIZE_ROWS_OP_TYPE,
                         QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANTIZED_LINEAR_OP_TYPE, QUANTIZED_LINEAR_SPLIT8_OP_TYPE,
-                        ROTARY_OP_TYPE, SILU_OP_TYPE, make_block_hadamard_function, make_dequantize_rows_function,
-                        make_offsets_function, make_quantize_rows_function, make_quantized_linear_functions,
-                        make_rotary_function, make_silu_function)
+                        ROTARY_OP_TYPE, SILU_OP_TYPE, SKIP_NORM_OP_TYPE, make_block_hadamard_function,
+                        make_dequantize_rows_function, make_offsets_function, make_quantize_rows_function,
+                        make_quantized_linear_functions, make_rotary_function, make_silu_function,
+                        make_skip_norm_function)
 from .paged_attention import (DOMAIN, OP_TYPE, check_kv_cache_dtype_name, make_onnx_function, make_onnx_functions,
                               write_attention_metadata)
 from .quantize import QuantizedLinear, W8A8Linear, pack_codes
@@ -241,11 +242,13 @@ class DecoderGraphWriter:
         return w.op("Mul", w.op("Div", x, rms), self.weight(prefix + ".weight"))
 
     def skip_norm(self, x: str, y: str, prefix: str) -> tuple[str, str]:
-        """``(rmsnorm(x + y), x + y)`` as ONNX Runtime's one ``SkipSimplifiedLayerNormalization``."""
+        """``(rmsnorm(x + y), x + y)`` as one ``trtllm_lite::SkipRMSNorm`` (:mod:`builder.fused_ops`:
+        ONNX Runtime's ``SkipSimplifiedLayerNormalization`` as its body, the same bits from its
+        C++ kernel, which sums several rows' squares side by side)."""
         w = self.w
         h, total = w.fresh("norm"), w.fresh("residual")
-        w.op("SkipSimplifiedLayerNormalization", x, y, self.weight(prefix + ".weight"), domain=MS_DOMAIN,
-             epsilon=self.c.norm_eps, outputs=[h, "", "", total])
+        w.op(SKIP_NORM_OP_TYPE, x, y, self.weight(prefix + ".weight"), domain=DOMAIN,
+             epsilon=self.c.norm_eps, outputs=[h, total])
         return h, total
 
     def rope(self, x: str, cos: str, sin: str) -> str:
@@ -387,7 +390,8 @@ class DecoderGraphWriter:
                                          decode_path=self.ort_ops, kv_cache_dtype=self.kv_cache_dtype)
                      if self.kv_write == "runtime" else [in_op_function()])
         if self.fused_ops:
-            functions += [make_rotary_function(c.num_heads, c.num_kv_heads, c.head_dim), make_silu_function()]
+            functions += [make_rotary_function(c.num_heads, c.num_kv_heads, c.head_dim), make_silu_function(),
+                          make_skip_norm_function(c.norm_eps)]
         if self.ort_ops and any(getattr(q, "offsets", None) is not None for q in self.quantized.values()):
             functions.append(make_offsets_function())
         if self.quantized_linear_ops:
@@ -430,7 +434,8 @@ def export_graphs(config: ModelConfig, weights: dict[str, np.ndarray], max_seq_l
         ort_ops: graphs that only ONNX Runtime runs (its backend's): the PagedAttention body
             gets its decode path (:func:`~builder.paged_attention.make_onnx_function`), and
             ONNX Runtime's fused ``RotaryEmbedding`` and ``SkipSimplifiedLayerNormalization``
-            (residual add + RMSNorm) replace their standard-op spelling.
+            (residual add + RMSNorm; the Llama family's as ``SkipRMSNorm``, whose body it is)
+            replace their standard-op spelling.
         kv_cache_dtype: the pools' type, ``"float32"`` or ``"float16"`` (the graphs'
             ``key_cache.{i}`` / ``value_cache.{i}`` inputs; the attention body casts what it
             gathers from float16 pools to float32). ``kv_write="in_op"`` takes float32 only.

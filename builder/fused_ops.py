@@ -86,6 +86,7 @@ from .paged_attention import DOMAIN
 
 ROTARY_OP_TYPE = "RotarySplitQKV"
 SILU_OP_TYPE = "SiluAndMul"
+SKIP_NORM_OP_TYPE = "SkipRMSNorm"
 QUANTIZE_ROWS_OP_TYPE = "QuantizeRows"
 DEQUANTIZE_ROWS_OP_TYPE = "DequantizeRows"
 BLOCK_HADAMARD_OP_TYPE = "BlockHadamard"
@@ -131,6 +132,23 @@ def make_silu_function(opset: int | None = None):
     w.op("Mul", w.op("Mul", gate, w.op("Sigmoid", gate)), up, outputs=["output"])
     return helper.make_function(DOMAIN, SILU_OP_TYPE, ["gate_up"], ["output"], w.nodes,
                                 [helper.make_opsetid("", opset or OPSET)])
+
+
+def make_skip_norm_function(epsilon: float, opset: int | None = None):
+    """``SkipRMSNorm``'s body: ONNX Runtime's ``SkipSimplifiedLayerNormalization``, its
+    outputs 0 (``rmsnorm(x + skip) * gamma``) and 3 (``x + skip``). The model's one epsilon
+    is written into the body (the nodes' ``epsilon`` attribute says the same; the C++ kernel
+    reads the attribute), as the rotary body takes the model's head counts."""
+    from onnx import helper
+
+    from .onnx_graph import OPSET, NodeWriter
+
+    w = NodeWriter("sn_")
+    w.op("SkipSimplifiedLayerNormalization", "x", "skip", "gamma", domain=MS_DOMAIN, epsilon=float(epsilon),
+         outputs=["y", "", "", "sum"])
+    return helper.make_function(DOMAIN, SKIP_NORM_OP_TYPE, ["x", "skip", "gamma"], ["y", "sum"], w.nodes,
+                                [helper.make_opsetid("", opset or OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+                                attributes=["epsilon"])
 
 
 def _planes(w) -> str:
@@ -275,8 +293,6 @@ def _match_decoder_layer(qkv, consumers: dict, graph_outputs: set):
         user = users[0]
         return user if user.op_type == op_type and user.domain == domain else None
 
-    from .onnx_graph import MS_DOMAIN
-
     from .paged_attention import OP_TYPE as ATTENTION_OP_TYPE
 
     linear_kind = qkv.op_type
@@ -290,18 +306,18 @@ def _match_decoder_layer(qkv, consumers: dict, graph_outputs: set):
         return None
     reshape = only_consumer(attention, 0, "Reshape", "")
     o = reshape and only_consumer(reshape, 0, linear_kind)
-    mlp_norm = o and only_consumer(o, 0, "SkipSimplifiedLayerNormalization", MS_DOMAIN)
+    mlp_norm = o and only_consumer(o, 0, SKIP_NORM_OP_TYPE)
     if mlp_norm is None or mlp_norm.input[1] != o.output[0] or len(mlp_norm.input) != 3:
         return None
     gate_up = only_consumer(mlp_norm, 0, linear_kind)
     silu = gate_up and only_consumer(gate_up, 0, SILU_OP_TYPE)
     down = silu and only_consumer(silu, 0, linear_kind)
-    next_norm = down and only_consumer(down, 0, "SkipSimplifiedLayerNormalization", MS_DOMAIN)
-    if (next_norm is None or len(mlp_norm.output) != 4 or not mlp_norm.output[3] or len(next_norm.output) != 4
-            or not next_norm.output[3] or next_norm.input[0] != mlp_norm.output[3] or next_norm.input[1] != down.output[0]
-            or len(next_norm.input) != 3 or any(name for name in list(mlp_norm.output[1:3]) + list(next_norm.output[1:3]))):
+    next_norm = down and only_consumer(down, 0, SKIP_NORM_OP_TYPE)
+    if (next_norm is None or len(mlp_norm.output) != 2 or not mlp_norm.output[1] or len(next_norm.output) != 2
+            or not next_norm.output[1] or next_norm.input[0] != mlp_norm.output[1] or next_norm.input[1] != down.output[0]
+            or len(next_norm.input) != 3):
         return None
-    residual = mlp_norm.output[3]
+    residual = mlp_norm.output[1]
     if residual in graph_outputs or len(consumers.get(residual, [])) != 1:
         return None
     return [qkv, rotary, attention, reshape, o, mlp_norm, gate_up, silu, down, next_norm]
@@ -314,7 +330,7 @@ def fuse_decoder_layers(model):
     (``QuantizedLinear``, ``QuantizedLinearWithOffsets`` or ``QuantizedLinearSplit8``, all four
     linears the same) through ``RotarySplitQKV``,
     ``PagedAttention`` (storing its K/V: :func:`builder.paged_attention.with_kv_write_in_op`),
-    the o projection, the post-attention ``SkipSimplifiedLayerNormalization``, gate/up,
+    the o projection, the post-attention ``SkipRMSNorm``, gate/up,
     ``SiluAndMul`` and down to the next layer's (or the final) norm::
 
         DecoderLayer(normed_in, residual_in, qkv weight, positions, cos, sin, key_cache,
@@ -371,7 +387,7 @@ def fuse_decoder_layers(model):
                           scale=attention_attributes["scale"], kv_write_in_op=1, split8=int(split8),
                           mlp_epsilon=_attributes(mlp_norm)["epsilon"], next_epsilon=_attributes(next_norm)["epsilon"])
         fused[id(next_norm)] = helper.make_node(
-            DECODER_LAYER_OP_TYPE, inputs, [next_norm.output[0], next_norm.output[3]],
+            DECODER_LAYER_OP_TYPE, inputs, [next_norm.output[0], next_norm.output[1]],
             name=f"decoder_layer_{len(fused)}", domain=DOMAIN, **attributes)
         removed.update(id(n) for n in chain)
     if not fused:

@@ -1,5 +1,5 @@
-"""RotarySplitQKV and SiluAndMul (builder/fused_ops.py): the C++ kernels and the ONNX function
-bodies against numpy."""
+"""RotarySplitQKV, SiluAndMul, SkipRMSNorm and the w8a8 row ops (builder/fused_ops.py): the C++
+kernels and the ONNX function bodies against numpy."""
 import json
 import os
 
@@ -8,7 +8,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from builder.fused_ops import ROTARY_OP_TYPE, SILU_OP_TYPE, make_rotary_function, make_silu_function
+from builder.fused_ops import (ROTARY_OP_TYPE, SILU_OP_TYPE, SKIP_NORM_OP_TYPE, make_rotary_function,
+                               make_silu_function, make_skip_norm_function)
 from builder.onnx_graph import OPSET
 from builder.paged_attention import DOMAIN
 from tests.conftest import profile_prefix
@@ -141,6 +142,44 @@ def test_silu_and_mul_at_extreme_gates(op_library):
         want = g / (1 + np.exp(-g)) * up
     rtol = 2e-6 if op_library is not None else 1e-3
     np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-30, equal_nan=True)
+
+
+def skip_norm_session(epsilon, library=None):
+    f32 = TensorProto.FLOAT
+    node = helper.make_node(SKIP_NORM_OP_TYPE, ["x", "skip", "gamma"], ["y", "sum"], domain=DOMAIN, epsilon=epsilon)
+    inputs = [helper.make_tensor_value_info("x", f32, ["T", "H"]), helper.make_tensor_value_info("skip", f32, ["T", "H"]),
+              helper.make_tensor_value_info("gamma", f32, ["H"])]
+    outputs = [helper.make_tensor_value_info(n, f32, None) for n in ("y", "sum")]
+    return one_node_session(node, inputs, outputs, make_skip_norm_function(epsilon), library)
+
+
+@pytest.mark.parametrize("tokens,width", [(1, 576), (7, 576), (8, 576), (9, 40), (16, 576), (37, 576), (203, 960),
+                                          (3, 5)])
+def test_skip_rms_norm_is_onnx_runtimes_skip_norm_bit_for_bit(op_library, tokens, width):
+    """The kernel adds each row's squares in ONNX Runtime's order (several rows side by side):
+    its outputs are the function body's (``SkipSimplifiedLayerNormalization``) bit for bit, at
+    row counts on both sides of its 8- and 16-row groups, and both are RMSNorm (float64 numpy)."""
+    rng = np.random.default_rng(tokens * 1000 + width)
+    feeds = {"x": (rng.standard_normal((tokens, width)) * 3).astype(np.float32),
+             "skip": (rng.standard_normal((tokens, width)) * 3).astype(np.float32),
+             "gamma": rng.standard_normal(width).astype(np.float32)}
+    sess = skip_norm_session(1e-5, op_library)
+    y, total = sess.run(None, feeds)
+    assert (SKIP_NORM_OP_TYPE in ops_run(sess)) is (op_library is not None)
+    body_y, body_total = skip_norm_session(1e-5).run(None, feeds)
+    np.testing.assert_array_equal(y, body_y)
+    np.testing.assert_array_equal(total, body_total)
+    x = feeds["x"].astype(np.float64) + feeds["skip"]
+    want = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-5) * feeds["gamma"]
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(total, feeds["x"] + feeds["skip"])
+
+
+def test_skip_rms_norm_rejects_mismatched_shapes(kernel_library):
+    sess = skip_norm_session(1e-5, kernel_library)
+    with pytest.raises(Exception, match=r"SkipRMSNorm: input \[2, 4\], skip \[2, 4\], gamma \[3\] are not"):
+        sess.run(None, {"x": np.zeros((2, 4), np.float32), "skip": np.zeros((2, 4), np.float32),
+                        "gamma": np.zeros(3, np.float32)})
 
 
 def test_silu_and_mul_rejects_an_odd_width(kernel_library):

@@ -26,11 +26,11 @@
 //
 // Each part is the op's own kernel (quantized_linear.cc, elementwise.cc, paged_attention.cc),
 // run on this node's tensors through PartIO (kernel_common.h), so the layer computes what its
-// ten nodes compute; the two RMS norms with the residual adds are this file's, in the
-// arithmetic of ONNX Runtime's SkipSimplifiedLayerNormalization (the unfused graph's op): the
-// layer's outputs are the ten nodes' bit for bit (tested). What the fusion removes is ONNX
-// Runtime's per-node work between them: a node's dispatch, its inputs' and outputs' handling
-// and arena allocations (ten nodes a layer -> one).
+// ten nodes compute; the two RMS norms with the residual adds are SkipRMSNorm's (elementwise.cc
+// skip_norm, in the arithmetic of ONNX Runtime's SkipSimplifiedLayerNormalization): the layer's
+// outputs are the ten nodes' bit for bit (tested). What the fusion removes is ONNX Runtime's
+// per-node work between them: a node's dispatch, its inputs' and outputs' handling and arena
+// allocations (ten nodes a layer -> one).
 #include <array>
 #include <mutex>
 
@@ -54,44 +54,6 @@ constexpr ONNXTensorElementDataType kInputTypes[kNumInputs] = {
 constexpr size_t kNormedIn = 0, kResidualIn = 1, kQkv = 2, kPositions = 5, kCos = 6, kSin = 7, kKeyCache = 8,
                  kSlotMapping = 10, kO = 14, kMlpNorm = 17, kGateUp = 18, kDown = 21, kNextNorm = 24,
                  kOffsets = 25;
-constexpr int64_t kNormRowsPerItem = 16;
-
-// Rows of out = rms_norm(a + b) * gamma and sum = a + b (sum may be a or b), in the arithmetic
-// of ONNX Runtime's SkipSimplifiedLayerNormalization (float32; the unfused graphs' op), so
-// that the fused layer computes what its nodes compute, bit for bit: the squares summed in
-// order in float32, rms = sqrt(sum / width + eps), out = x / rms * gamma.
-struct NormStep {
-  const float *a, *b, *gamma;
-  float *sum, *out;
-  int64_t rows, width;
-  float epsilon;
-};
-
-void norm_rows(void* user, size_t item) {
-  const NormStep& st = *static_cast<const NormStep*>(user);
-  const int64_t end = std::min(st.rows, static_cast<int64_t>(item + 1) * kNormRowsPerItem);
-  for (int64_t r = static_cast<int64_t>(item) * kNormRowsPerItem; r < end; ++r) {
-    const float *a = st.a + r * st.width, *b = st.b + r * st.width;
-    float *sum = st.sum + r * st.width, *out = st.out + r * st.width;
-    float squares = 0.0f;
-    for (int64_t i = 0; i < st.width; ++i) {
-      const float x = a[i] + b[i];
-      sum[i] = x;
-      float square = x * x;
-      asm("" : "+m"(square));   // rounded before the add, as ONNX Runtime's build does (no FMA)
-      squares += square;
-    }
-    const float rms = std::sqrt(squares / static_cast<float>(st.width) + st.epsilon);
-    for (int64_t i = 0; i < st.width; ++i) out[i] = sum[i] / rms * st.gamma[i];
-  }
-}
-
-OrtStatus* skip_norm(OrtKernelContext* context, NormStep& st) {
-  if (st.rows == 0) return nullptr;
-  return parallel_for(context, norm_rows, static_cast<size_t>((st.rows + kNormRowsPerItem - 1) / kNormRowsPerItem),
-                      &st, st.rows * st.width < kSerialWork);
-}
-
 struct Linear {
   int64_t n = 0, k = 0, block_size = 0;
 };

@@ -411,11 +411,25 @@ const OrtCustomOp* quantized_linear_op();
 const OrtCustomOp* quantized_linear_with_offsets_op();
 const OrtCustomOp* quantized_linear_split8_op();
 const OrtCustomOp* decoder_layer_op();
+const OrtCustomOp* skip_rms_norm_op();
 
 // The parts of a fused kernel (decoder_layer.cc), made with the attributes their own nodes take.
 KernelBase* new_quantized_linear(int64_t n, int64_t k, int64_t block_size, bool with_offsets, bool split8);
 KernelBase* new_paged_attention(float scale, bool kv_write_in_op);
 KernelBase* new_rotary_split_qkv(int64_t num_heads, int64_t num_kv_heads);
 KernelBase* new_silu_and_mul();
+
+// Rows of out = rms_norm(a + b) * gamma and sum = a + b (sum may be a or b; out neither), in
+// the arithmetic of ONNX Runtime's SkipSimplifiedLayerNormalization, bit for bit: each row's
+// squares rounded and summed in order in float32, rms = sqrt(sum / width + eps), out = x / rms
+// * gamma. Shapes [rows, width] float32, gamma [width]. (elementwise.cc; SkipRMSNorm's kernel
+// and DecoderLayer's two norms.)
+struct NormStep {
+  const float *a, *b, *gamma;
+  float *sum, *out;
+  int64_t rows, width;
+  float epsilon;
+};
+OrtStatus* skip_norm(OrtKernelContext* context, NormStep& st);
 
 }  // namespace trtllm_lite_kernels
