@@ -394,6 +394,15 @@ def test_generate_cli_refuses_a_system_message_without_chat(smollm2_engine, caps
     assert "trtllm-lite generate: error: --system is a chat message: it needs --chat" in capsys.readouterr().err
 
 
+def test_client_cli_refuses_a_system_message_without_chat(capsys):
+    """QA, session 35: ``client --system`` without ``--chat`` was silently dropped, as
+    ``generate``'s was; refused before any connection is made."""
+    from trtllm_lite.cli import main
+
+    assert main(["client", "--prompt", "hi", "--system", "Answer in French", "--server", "127.0.0.1:9"]) == 1
+    assert "--system is a chat message: it needs --chat" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("salt, error", [(3, TypeError), ("", ValueError), ("a\udc00", ValueError)])
 def test_bad_cache_salt_names_it(smollm2_llm, salt, error):
     with pytest.raises(error, match="cache_salt"):

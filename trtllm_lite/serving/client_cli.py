@@ -13,7 +13,7 @@ from .server import API_KEY_ENV
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True)
-    p.add_argument("--server", default="127.0.0.1:50051", help="host:port of the gRPC server")
+    p.add_argument("--server", default="127.0.0.1:50051", help="host:port of the gRPC server (default 127.0.0.1:50051)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     the text printed is then cut short, and stderr says so."""
     from .client import LLMClient
 
+    if args.system is not None and not args.chat:   # (as generate: it was silently dropped)
+        raise ValueError("--system is a chat message: it needs --chat")
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=args.stop)
     prompt, messages = args.prompt, None
