@@ -279,3 +279,22 @@ def test_prefault_commits_the_pool_at_start_and_lazy_pools_commit_as_used(tiny_m
     assert growth[True] > 0.9, growth
     assert growth[False] < 0.5, growth
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("where", ["engine", "runner"])
+def test_a_prefaulted_pool_larger_than_the_memory_available_is_refused_at_start(tiny_model, monkeypatch, where):
+    """A pool that fits the machine's RAM but not the memory available would be committed at
+    start and get the process killed: refused, naming the options and their serve flags, by
+    the engine before it loads anything and by the runner once the weights are in (the one
+    that sees a draft pool too). The host's available memory is made small here (a real
+    shortage would take this machine's memory from the rest of the suite)."""
+    from trtllm_lite.core import llm_engine
+    from trtllm_lite.runners import onnxruntime_runner
+
+    _, engine_dir = tiny_model("llama-gqa")
+    module = llm_engine if where == "engine" else onnxruntime_runner
+    monkeypatch.setattr(module, "available_memory_bytes", lambda: 1 << 20)
+    with pytest.raises(ValueError, match=r"larger than the memory available now \(1048576 bytes\).*"
+                                         r"--num-kv-blocks.*--no-kv-cache-prefault"):
+        LLM(engine_dir, num_kv_blocks=1 << 12)
+    LLM(engine_dir, num_kv_blocks=1 << 12, kv_cache_prefault=False)    # committed as used: accepted

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import time
 
 import numpy as np
@@ -15,6 +14,7 @@ from ..sampler import Sampler, SamplingRow, TokenLogprobs, log_softmax, top_logp
 from ..sampling_params import SamplingParams, is_integer
 from ..stop_strings import find_stop, held_back
 from ..tokenizer import Tokenizer, check_unicode
+from .host_memory import KV_POOL_TOO_LARGE, available_memory_bytes, physical_memory_bytes
 from .kv_cache_manager import KVCacheManager
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, SequenceStatus
@@ -71,27 +71,6 @@ def default_max_num_batched_tokens(build: dict, max_num_seqs: int, offline: bool
     return min(build["max_num_batched_tokens"], max(cap, max_num_seqs))
 
 
-def physical_memory_bytes() -> int:
-    """The machine's RAM in bytes (``sysconf``; 2**62 where it cannot say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
-
-
-def available_memory_bytes() -> int:
-    """Memory the host can give this process now, in bytes (``MemAvailable`` of
-    ``/proc/meminfo``; :func:`physical_memory_bytes` where that cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return physical_memory_bytes()
-
-
 class LLMEngine:
     """Owns the runner, the KV cache manager and the scheduler; :meth:`step` runs one step.
 
@@ -108,7 +87,7 @@ class LLMEngine:
         num_kv_blocks: pool size in blocks, overriding ``kv_cache_memory_bytes``.
         kv_cache_prefault: commit the pool's memory at start (ONNX Runtime: the pools are
             written once while loading, ~0.1-1.2 s/GB here), as a GPU pool's allocation
-            does: no step pays the page faults (1.06-1.10x on the 64 random-length requests
+            does: no step pays the page faults (1.03-1.10x on the 64 random-length requests
             of ``tools/bench.py``), and a host short of memory fails at start, not under
             load. False commits pages as blocks are first written, so RSS follows the peak
             load instead of the pool's size.
@@ -186,10 +165,9 @@ class LLMEngine:
                              f"pools, more than this machine's memory ({physical_memory_bytes()} bytes)")
         pool_bytes = num_kv_blocks * bytes_per_block
         self.kv_cache_prefault = bool(kv_cache_prefault) and self.engine.backend == "onnxruntime"
-        if self.kv_cache_prefault and pool_bytes > available_memory_bytes():
-            raise ValueError(f"the KV pools ({pool_bytes} bytes) are larger than the memory available now "
-                             f"({available_memory_bytes()} bytes): lower kv_cache_memory_bytes or num_kv_blocks, "
-                             "or pass kv_cache_prefault=False to commit the pool as it is used")
+        if self.kv_cache_prefault and pool_bytes > available_memory_bytes():   # (before loading anything;
+            # the runner checks again once the weights are in)
+            raise ValueError(KV_POOL_TOO_LARGE.format(pool_bytes, available_memory_bytes()))
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = self._make_runner(num_kv_blocks, num_threads)

@@ -31,6 +31,7 @@ import onnxruntime as ort
 from .. import ort_kernels
 from . import w8a8_uint8
 from ..engine_dir import EngineDir, clip_to_float16_range
+from ..core.host_memory import KV_POOL_TOO_LARGE, available_memory_bytes, prefault
 from .base import ScheduledSeq, StepBatch, StepInputs, build_step_inputs, group_by_query_length
 
 _INPUT_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
@@ -99,10 +100,12 @@ class OrtOptions:
         allow_spinning: intra-op worker threads spin between operators instead of sleeping
             (lower latency on idle cores; wasted cycles when the cores are shared).
         custom_kernels: register trtllm-lite's C++ kernels (:mod:`trtllm_lite.ort_kernels`,
-            compiled on first use) so the graphs' ``PagedDecodeAttention``, ``RotarySplitQKV``,
-            ``SiluAndMul``, ``AddBlockOffsets`` and ``QuantizedLinear`` nodes run them instead of their ONNX
-            function bodies (same results within float32 rounding); without a C++ compiler
-            the bodies run, with a warning.
+            compiled on first use) so the graphs' ``PagedAttention``, ``RotarySplitQKV``,
+            ``SiluAndMul``, ``SkipRMSNorm``, ``AddBlockOffsets``, ``QuantizedLinear`` (and its
+            variants), the w8a8 row ops and ``DecoderLayer`` nodes run them instead of their
+            ONNX function bodies (same results within float32 rounding; ``SkipRMSNorm`` and
+            ``DecoderLayer`` bit for bit); without a C++ compiler the bodies run, with a
+            warning.
         w8a8_uint8_weights: give a w8a8 engine's integer GEMMs uint8 weights (``w + 128``, zero
             point 128) instead of int8: ``None`` (the default) does where this CPU's uint8 x
             int8 GEMM saturates (x86 without VNNI or AMX: AVX2, AVX-512 without VNNI; see
@@ -276,29 +279,6 @@ def uses_uint8_weights(engine: EngineDir, options: OrtOptions) -> bool:
     return w8a8_uint8.uint8_int8_gemm_saturates()
 
 
-def prefault(pools: tuple[np.ndarray, ...], num_threads: int | None = None) -> None:
-    """Write every page of ``pools`` once (zeros), from ``num_threads`` threads.
-
-    ``np.zeros`` maps memory the host commits page by page at its first write. Written from
-    inside a step, a first write stalls the thread that takes the fault while the others
-    wait for it at the operator's end, and on a VM each fault may also wait for the host
-    to back the page: the 64 random-length requests of ``tools/bench.py`` (SmolLM2 fp32,
-    2 GiB pool, 2 cores) ran 1.06-1.10x faster with the pool written first, which took
-    ~2.5 s. GPU pools are committed at allocation in the same way.
-
-    Args:
-        pools: C-contiguous arrays, each ``[num_layers, num_blocks, ...]``; written in
-            place with zeros (their values do not change: ``np.zeros`` made them).
-        num_threads: writer threads (default: all cores); numpy releases the GIL while it
-            fills.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    parts = [layer for pool in pools for layer in pool]    # one slice per layer
-    with ThreadPoolExecutor(max(1, num_threads or os.cpu_count() or 1)) as ex:
-        list(ex.map(lambda a: a.fill(0), parts))
-
-
 class OnnxRuntimeRunner:
     """Runs steps on the CPU through the prefill and decode sessions.
 
@@ -316,6 +296,8 @@ class OnnxRuntimeRunner:
             commits their memory at start and no step page-faults; False leaves the pages to
             be committed as blocks are first written (RSS then grows with the peak load).
     Raises:
+        ValueError: with ``prefault_kv_cache``, the pools are larger than the memory available
+            once the weights are loaded.
         ValueError: ``options.accuracy_level`` names a graph variant the engine lacks, or
             graphs whose PagedAttention nodes store the K/V (``kv_write_in_op``) would run
             without trtllm-lite's kernels.
@@ -332,8 +314,6 @@ class OnnxRuntimeRunner:
         self.kv_dtype = np.dtype(engine.kv_cache_dtype)   # float32 or float16 (build's kv_cache_dtype)
         self.key_cache = np.zeros(self.kv_shape, self.kv_dtype)
         self.value_cache = np.zeros(self.kv_shape, self.kv_dtype)
-        if prefault_kv_cache:
-            prefault((self.key_cache, self.value_cache), num_threads or self.options.intra_op_num_threads)
         kernels = kernels_registered(self.options)
         # the C++ PagedAttention kernel attends each sequence over its own keys (no padding to
         # the call's longest query or context), so any mix of sequences is one graph call
@@ -342,6 +322,11 @@ class OnnxRuntimeRunner:
         self.sessions, self._weight_values = create_sessions(
             engine, num_threads, options=self.options, kinds=("prefill",) if self.single_session else None,
             files=self.graph_files)
+        if prefault_kv_cache:   # after the weights: the memory left then is what the pools may take
+            pool_bytes = self.key_cache.nbytes + self.value_cache.nbytes
+            if pool_bytes > available_memory_bytes():
+                raise ValueError(KV_POOL_TOO_LARGE.format(pool_bytes, available_memory_bytes()))
+            prefault((self.key_cache, self.value_cache), num_threads or self.options.intra_op_num_threads)
         self.num_heads = m["num_heads"]
         self._run_options = run_options()
         self._shrink_options = None     # run options that also shrink the arena, for large calls
