@@ -254,31 +254,44 @@ def test_tensorrt_accepts_a_kv_cache_dtype_equal_to_its_dtype():
     assert engine.kv_pool_dtype == "float16"
 
 
-def _rss_bytes() -> int:
+_RSS_SCRIPT = """
+import json, os, sys
+from trtllm_lite import LLM, SamplingParams
+
+def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+before = rss()
+llm = LLM(sys.argv[1], num_kv_blocks=1 << 16, kv_cache_prefault=sys.argv[2] == "1")
+pool = llm.engine.runner.key_cache.nbytes + llm.engine.runner.value_cache.nbytes
+growth = (rss() - before) / pool
+out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+print(json.dumps({"pool": pool, "growth": growth, "tokens": out[0].outputs[0].token_ids}))
+"""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc/self/statm")
 def test_prefault_commits_the_pool_at_start_and_lazy_pools_commit_as_used(tiny_model):
     """``kv_cache_prefault`` (the default) writes the pools while loading, so the process's RSS
     holds them before any step; with it off, loading commits almost none of the pool. Both
-    engines generate the same tokens."""
+    engines generate the same tokens. (Each in a fresh process: in this one, glibc may hand
+    a new pool memory an earlier test freed and that is still resident.)"""
+    import json
+    import subprocess
+    import sys
+
     _, engine_dir = tiny_model("llama-gqa")
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    outputs, growth = {}, {}
-    for prefault in (False, True):
-        before = _rss_bytes()
-        llm = LLM(engine_dir, num_kv_blocks=1 << 16, kv_cache_prefault=prefault)
-        runner = llm.engine.runner
-        pool = runner.key_cache.nbytes + runner.value_cache.nbytes
-        growth[prefault] = (_rss_bytes() - before) / pool
-        outputs[prefault] = llm.generate([[1, 2, 3, 4, 5]], params)[0].outputs[0].token_ids
-        del llm, runner
-    assert pool > 100 << 20
-    assert growth[True] > 0.9, growth
-    assert growth[False] < 0.5, growth
-    assert outputs[True] == outputs[False]
+    runs = {}
+    for prefault in ("0", "1"):
+        done = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, engine_dir, prefault], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[prefault] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["1"]["pool"] > 100 << 20
+    assert runs["1"]["growth"] > 0.9, runs
+    assert runs["0"]["growth"] < 0.5, runs
+    assert runs["1"]["tokens"] == runs["0"]["tokens"]
 
 
 @pytest.mark.parametrize("where", ["engine", "runner"])
