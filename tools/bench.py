@@ -15,8 +15,10 @@ batch-1 decode tokens/s), greedy ids on the test prompts, offline throughput (64
 with seeded random lengths, and 64 x 128 in / 128 out), a concurrency sweep, peak RSS.
 Bounds measured in the same run (:mod:`bench_bounds`) are printed beside the speeds. Last, a
 paired batch-1 run: our fp32 and int4 engines and genai's in one process, in alternating
-rounds, each with its own bandwidth probe (``bench_workers.run_paired``), for ratios that the
-machine's drift between workers does not move.
+rounds, each with its own bandwidth probe (``bench_workers.run_paired``), and the 64 random
+requests through our fp32 engine and genai fp32 one at a time, in alternating rounds in one
+process (``bench_workers.run_paired_random``), for ratios that the machine's drift between
+workers does not move.
 
 llama.cpp joins when ``llama-cpp-python`` is installed; it builds from source (~12 minutes on
 2 cores; the local package index has the sdist)::
@@ -175,6 +177,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="latency and greedy checks only")
     p.add_argument("--skip", nargs="*", default=[], choices=["hf", "genai", "llamacpp", "int4-acc4", "kv16", "w8a8", "paired"])
+    p.add_argument("--paired-random-rounds", type=int, default=3,
+                   help="rounds of the paired 64-random-requests run (our fp32 engine, genai fp32 one at a time)")
     p.add_argument("--paired-rounds", type=int, default=7,
                    help="rounds of the paired batch-1 run (our fp32 and int4 engines, genai fp32 and int4, one process)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -236,6 +240,7 @@ def main(argv=None) -> int:
         p: ensure_genai(spec["hf_model"], os.path.join(e, f"genai-{p}"), p) for p in ("fp32", "int4")}
     spec["paired"] = {"engines": {"ours-fp32": fp32, "ours-int4": int4},
                       "genai": {f"genai-{p}": d for p, d in genai_dirs.items()}, "rounds": args.paired_rounds}
+    spec["paired_random"] = {"engine": fp32, "genai": genai_dirs.get("fp32"), "rounds": args.paired_random_rounds}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
@@ -272,6 +277,10 @@ def main(argv=None) -> int:
             result = run_worker("paired", "paired", spec_path, None, full, failures=notes)
             if result is not None:
                 results["paired"] = result
+        if "paired" not in skip and "genai" not in skip and full and args.paired_random_rounds > 0:
+            result = run_worker("paired-random", "paired-random", spec_path, None, full, failures=notes)
+            if result is not None:
+                results["paired-random"] = result
     for name, path in (("ours-fp32", fp32), ("ours-fp32-kv16", kv16), ("ours-int4", int4), ("ours-w8a8", w8a8),
                        ("ours-w8a8-1plane", w8a8_1)):
         if path is None:

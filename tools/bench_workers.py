@@ -4,8 +4,9 @@
 (written by :mod:`bench`) holds paths, threads and the workloads as token ids, so every
 system gets the very same prompts. Systems: ``ours`` (an engine directory, accuracy level
 from ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``), ``hf``, ``genai`` (a model directory), ``llamacpp``,
-and ``paired`` (batch-1 decode of our engines and genai's in alternating rounds in one
-process: :func:`run_paired`).
+``paired`` (batch-1 decode of our engines and genai's in alternating rounds in one
+process: :func:`run_paired`) and ``paired-random`` (the 64 random-length requests through our
+fp32 engine against genai fp32 one at a time, in alternating rounds: :func:`run_paired_random`).
 """
 from __future__ import annotations
 
@@ -121,6 +122,34 @@ def run_paired(spec: dict) -> dict:
     return {"rounds": rounds}
 
 
+def run_paired_random(spec: dict) -> dict:
+    """The 64 random-length requests through our fp32 engine (inflight batching, the offline
+    token budget) and onnxruntime-genai fp32 one request at a time (the first
+    ``genai_requests`` of them), both loaded in this one process, in
+    ``spec["paired_random"]["rounds"]`` rounds whose order alternates: the issue's 5x ratio
+    from figures a minute apart, not from workers many minutes apart on a VM whose speed moves.
+
+    Returns ``{"rounds": [{"ours-fp32": output tokens/s, "genai-fp32": output tokens/s}, ...]}``.
+    """
+    from trtllm_lite.commands.bench import run_requests
+    from trtllm_lite.core.llm_engine import LLMEngine
+
+    paired, threads, w = spec["paired_random"], spec["threads"], spec["random"]
+    n = spec["genai_requests"]
+    max_tokens = _list(w["max_tokens"], w["prompts"])
+    engine = LLMEngine(paired["engine"], num_threads=threads, verify_checksums=False, enable_prefix_caching=False,
+                       kv_cache_memory_bytes=spec["kv_cache_bytes"], offline=True)
+    genai = GenAIPeer(paired["genai"], threads)
+    genai.tpot_rate(w["prompts"][0], 4)      # warm-up
+    runs = {"ours-fp32": lambda: run_requests(engine, w["prompts"], max_tokens, len(w["prompts"])).output_tokens_per_s,
+            "genai-fp32": lambda: genai.sequential(w["prompts"][:n], max_tokens[:n])["output_tokens_per_s"]}
+    rounds = []
+    for r in range(paired["rounds"]):
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+        rounds.append({name: runs[name]() for name in order})
+    return {"rounds": rounds}
+
+
 def run_peer(spec: dict, peer, full: bool) -> dict:
     out = {"latency": {}, "greedy": [peer.generate_ids(p, spec["greedy_tokens"]) for p in spec["test_prompts"]]}
     prompt = spec["latency_prompts"][str(spec["ttft_lens"][0])]
@@ -154,6 +183,8 @@ def main(system: str, spec_path: str, out_path: str, target: str | None, full: b
         result = run_peer(spec, GenAIPeer(target, spec["threads"]), full)
     elif system == "paired":
         result = run_paired(spec)
+    elif system == "paired-random":
+        result = run_paired_random(spec)
     elif system == "llamacpp":
         result = run_peer(spec, LlamaCppPeer(spec["gguf"], spec["threads"]), full)
     else:
