@@ -109,9 +109,7 @@ struct Kernel : KernelBase {
 
 OrtStatus* Kernel::compute(OrtKernelContext* context) {
   Tensor y, x, offsets;
-  RETURN_IF_ERROR(read_input(context, 0, &y));
-  RETURN_IF_ERROR(read_input(context, 1, &x));
-  RETURN_IF_ERROR(read_input(context, 2, &offsets));
+  RETURN_IF_ERROR(read_inputs(context, &y, &x, &offsets));
   if (y.dims.size() != 2 || x.dims.size() != 2 || offsets.dims.size() != 2 || y.dims[0] != x.dims[0] ||
       offsets.dims[0] != y.dims[1] || block_size <= 0 || x.dims[1] < offsets.dims[1] * block_size)
     return error(ORT_INVALID_ARGUMENT, "AddBlockOffsets: y " + dims_string(y.dims) + ", x " + dims_string(x.dims) +

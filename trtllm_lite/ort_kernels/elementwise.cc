@@ -93,10 +93,7 @@ struct RotaryKernel : KernelBase {
 
 OrtStatus* RotaryKernel::compute(OrtKernelContext* context) {
   Tensor qkv, positions, cos, sin;
-  RETURN_IF_ERROR(read_input(context, 0, &qkv));
-  RETURN_IF_ERROR(read_input(context, 1, &positions));
-  RETURN_IF_ERROR(read_input(context, 2, &cos));
-  RETURN_IF_ERROR(read_input(context, 3, &sin));
+  RETURN_IF_ERROR(read_inputs(context, &qkv, &positions, &cos, &sin));
   if (qkv.dims.size() != 2 || positions.dims.size() != 1 || positions.dims[0] != qkv.dims[0])
     return error(ORT_INVALID_ARGUMENT, "RotarySplitQKV: qkv " + dims_string(qkv.dims) + " and positions " +
                                            dims_string(positions.dims) + " must be [T, width] and [T]");
@@ -350,9 +347,7 @@ struct DequantizeRowsKernel : KernelBase {
 
 OrtStatus* DequantizeRowsKernel::compute(OrtKernelContext* context) {
   Tensor y, scale, bias;
-  RETURN_IF_ERROR(read_input(context, 0, &y));
-  RETURN_IF_ERROR(read_input(context, 1, &scale));
-  RETURN_IF_ERROR(read_input(context, 2, &bias));
+  RETURN_IF_ERROR(read_inputs(context, &y, &scale, &bias));
   if (y.dims.size() != 2 || y.dims[0] % planes || scale.dims.size() != 2 || scale.dims[0] != y.dims[0] ||
       scale.dims[1] != 1 || bias.dims.size() != 1 || bias.dims[0] != y.dims[1])
     return error(ORT_INVALID_ARGUMENT, "DequantizeRows: y " + dims_string(y.dims) + ", scale " +
@@ -469,8 +464,7 @@ bool is_sylvester_hadamard(const float* h, int64_t b) {
 
 OrtStatus* BlockHadamardKernel::compute(OrtKernelContext* context) {
   Tensor x, h;
-  RETURN_IF_ERROR(read_input(context, 0, &x));
-  RETURN_IF_ERROR(read_input(context, 1, &h));
+  RETURN_IF_ERROR(read_inputs(context, &x, &h));
   if (x.dims.size() != 2)
     return error(ORT_INVALID_ARGUMENT, "BlockHadamard: x " + dims_string(x.dims) + " is not [T, K]");
   const bool square = h.dims.size() == 2 && h.dims[0] == h.dims[1];
@@ -593,9 +587,7 @@ struct SkipNormKernel : KernelBase {
 
 OrtStatus* SkipNormKernel::compute(OrtKernelContext* context) {
   Tensor a, b, gamma;
-  RETURN_IF_ERROR(read_input(context, 0, &a));
-  RETURN_IF_ERROR(read_input(context, 1, &b));
-  RETURN_IF_ERROR(read_input(context, 2, &gamma));
+  RETURN_IF_ERROR(read_inputs(context, &a, &b, &gamma));
   if (a.dims.size() != 2 || a.dims != b.dims || gamma.dims.size() != 1 || gamma.dims[0] != a.dims[1])
     return error(ORT_INVALID_ARGUMENT, "SkipRMSNorm: input " + dims_string(a.dims) + ", skip " + dims_string(b.dims) +
                                            ", gamma " + dims_string(gamma.dims) + " are not [T, H], [T, H], [H]");

@@ -159,6 +159,15 @@ inline OrtStatus* read_input(OrtKernelContext* ctx, size_t index, Tensor* out) {
   return s;
 }
 
+// read_input for inputs 0, 1, 2... into the given tensors, in order; the first error stops it.
+template <typename... Tensors>
+inline OrtStatus* read_inputs(OrtKernelContext* ctx, Tensors*... tensors) {
+  size_t index = 0;
+  OrtStatus* status = nullptr;
+  ((status = status ? status : read_input(ctx, index++, tensors)), ...);
+  return status;
+}
+
 template <typename T>
 OrtStatus* data_of(const OrtValue* value, T** out) {
   void* p = nullptr;
