@@ -17,8 +17,8 @@ def physical_memory_bytes() -> int:
 #: The error of a pool that would not fit (its bytes, the bytes available).
 KV_POOL_TOO_LARGE = ("the KV pools ({} bytes) are larger than the memory available now ({} bytes): lower "
                      "kv_cache_memory_bytes or num_kv_blocks (serve: --kv-cache-memory-bytes, --num-kv-blocks; "
-                     "speculative decoding: draft_num_kv_blocks), or pass kv_cache_prefault=False "
-                     "(--no-kv-cache-prefault) to commit the pool as it is used")
+                     "speculative decoding: draft_num_kv_blocks in speculative_config), or pass "
+                     "kv_cache_prefault=False (--no-kv-cache-prefault) to commit the pool as it is used")
 
 
 def available_memory_bytes() -> int:
