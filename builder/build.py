@@ -132,10 +132,25 @@ def _log(msg: str) -> None:
     print(f"[build] {msg}", file=sys.stderr, flush=True)
 
 
+def builder_revision() -> str:
+    """The first 16 hex digits of the sha256 of this package's Python sources (every
+    ``builder/*.py``, by name): an engine built by other builder code has other graphs, though
+    its build options are the same (``tools/bench_core.ensure_engine`` rebuilds it)."""
+    import hashlib
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(here) if n.endswith(".py")):
+        digest.update(name.encode() + b"\0")
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
-    out = {}
+    out = {"builder": builder_revision()}
     for pkg in ("trtllm-lite", "onnx", "onnxruntime", "numpy", "gguf", "transformers", "torch"):
         try:
             out[pkg] = md.version(pkg)

@@ -27,16 +27,22 @@ MODEL = "smollm2-135m-instruct"
 
 def ensure_engine(path: str, model: str = MODEL, **build_options) -> str:
     """Build ``model`` into ``path`` unless an engine built with these ``build_options``
-    (``BuildConfig`` fields) is already there; one built with other values is rebuilt."""
+    (``BuildConfig`` fields) by this builder code (``builder.build.builder_revision``) is
+    already there; one built with other values or other builder code is rebuilt."""
+    from builder.build import BuildConfig, build_engine, builder_revision
+
     manifest = os.path.join(path, "engine.json")
     if os.path.exists(manifest):
         with open(manifest) as f:
-            built = json.load(f).get("build", {})
+            m = json.load(f)
+        built = m.get("build", {})
         stale = {k: built.get(k) for k, v in build_options.items() if built.get(k) != v}
+        revision = m.get("versions", {}).get("builder")
+        if revision != builder_revision():
+            stale["builder revision"] = revision
         if not stale:
             return path
         print(f"{path} was built with {stale}: rebuilding", file=sys.stderr)
-    from builder.build import BuildConfig, build_engine
 
     build_engine(model, path, BuildConfig(**build_options))
     return path
