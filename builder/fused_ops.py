@@ -314,7 +314,8 @@ def _match_decoder_layer(qkv, consumers: dict, graph_outputs: set):
     down = silu and only_consumer(silu, 0, linear_kind)
     next_norm = down and only_consumer(down, 0, SKIP_NORM_OP_TYPE)
     if (next_norm is None or len(mlp_norm.output) != 2 or not mlp_norm.output[1] or len(next_norm.output) != 2
-            or not next_norm.output[1] or next_norm.input[0] != mlp_norm.output[1] or next_norm.input[1] != down.output[0]
+            or not next_norm.output[1] or next_norm.input[0] != mlp_norm.output[1]
+            or next_norm.input[1] != down.output[0]
             or len(next_norm.input) != 3):
         return None
     residual = mlp_norm.output[1]

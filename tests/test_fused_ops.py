@@ -147,7 +147,8 @@ def test_silu_and_mul_at_extreme_gates(op_library):
 def skip_norm_session(epsilon, library=None):
     f32 = TensorProto.FLOAT
     node = helper.make_node(SKIP_NORM_OP_TYPE, ["x", "skip", "gamma"], ["y", "sum"], domain=DOMAIN, epsilon=epsilon)
-    inputs = [helper.make_tensor_value_info("x", f32, ["T", "H"]), helper.make_tensor_value_info("skip", f32, ["T", "H"]),
+    inputs = [helper.make_tensor_value_info("x", f32, ["T", "H"]),
+              helper.make_tensor_value_info("skip", f32, ["T", "H"]),
               helper.make_tensor_value_info("gamma", f32, ["H"])]
     outputs = [helper.make_tensor_value_info(n, f32, None) for n in ("y", "sum")]
     return one_node_session(node, inputs, outputs, make_skip_norm_function(epsilon), library)

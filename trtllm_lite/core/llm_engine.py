@@ -113,7 +113,8 @@ class LLMEngine:
     def __init__(self, engine_dir: str, *, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_seq_len: int | None = None,
                  kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
-                 kv_cache_prefault: bool = True, enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
+                 kv_cache_prefault: bool = True, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True,
                  max_waiting: int = 1 << 20, num_threads: int | None = None,
                  seed: int | None = None, verify_checksums: bool = True,
                  speculative_config: "SpeculativeConfig | dict | None" = None, offline: bool = False):
@@ -165,9 +166,10 @@ class LLMEngine:
                              f"pools, more than this machine's memory ({physical_memory_bytes()} bytes)")
         pool_bytes = num_kv_blocks * bytes_per_block
         self.kv_cache_prefault = bool(kv_cache_prefault) and self.engine.backend == "onnxruntime"
-        if self.kv_cache_prefault and pool_bytes > available_memory_bytes():   # (before loading anything;
-            # the runner checks again once the weights are in)
-            raise ValueError(KV_POOL_TOO_LARGE.format(pool_bytes, available_memory_bytes()))
+        # (before loading anything; the runner checks again once the weights are in)
+        available = available_memory_bytes() if self.kv_cache_prefault else None
+        if available is not None and pool_bytes > available:
+            raise ValueError(KV_POOL_TOO_LARGE.format(pool_bytes, available))
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = self._make_runner(num_kv_blocks, num_threads)

@@ -324,8 +324,9 @@ class OnnxRuntimeRunner:
             files=self.graph_files)
         if prefault_kv_cache:   # after the weights: the memory left then is what the pools may take
             pool_bytes = self.key_cache.nbytes + self.value_cache.nbytes
-            if pool_bytes > available_memory_bytes():
-                raise ValueError(KV_POOL_TOO_LARGE.format(pool_bytes, available_memory_bytes()))
+            available = available_memory_bytes()
+            if pool_bytes > available:
+                raise ValueError(KV_POOL_TOO_LARGE.format(pool_bytes, available))
             prefault((self.key_cache, self.value_cache), num_threads or self.options.intra_op_num_threads)
         self.num_heads = m["num_heads"]
         self._run_options = run_options()
