@@ -532,15 +532,18 @@ def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_p
         assert decoder_layer_nodes(unfused, kind) == 0
     prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30, 5)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-    results = []
-    for path in (engine, unfused):   # 8-token budget: chunked prompts beside decodes
-        llm = LLM(path, num_kv_blocks=64, verify_checksums=False, max_num_batched_tokens=8, max_num_seqs=4)
-        results.append(llm.generate(prompts, params))
-    for fused_out, plain_out in zip(*results):
-        a, b = fused_out.outputs[0], plain_out.outputs[0]
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs):
-            assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
+    # an 8-token budget: chunked prompts beside decodes; 48: steps of up to 45 rows, whose norms
+    # run 8 rows side by side and split over the threads (elementwise.cc skip_norm)
+    for budget in (8, 48):
+        results = []
+        for path in (engine, unfused):
+            llm = LLM(path, num_kv_blocks=64, verify_checksums=False, max_num_batched_tokens=budget, max_num_seqs=4)
+            results.append(llm.generate(prompts, params))
+        for fused_out, plain_out in zip(*results):
+            a, b = fused_out.outputs[0], plain_out.outputs[0]
+            assert a.token_ids == b.token_ids
+            for la, lb in zip(a.logprobs, b.logprobs):
+                assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
 
 
 # -- W8A8: int8 weights per channel, int8 activations per token ---------------------------
