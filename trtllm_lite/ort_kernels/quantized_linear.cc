@@ -38,8 +38,8 @@
 //     as 32-bit integers C = round(c * 2^s_b) (s_b: the power of two that puts the block's
 //     largest |c| in [2^30, 2^31)), each as four unsigned bytes of C + 2^31. One vpdpbusd
 //     multiplies four of those bytes by four codes and adds them into each row's int32 sum,
-//     so a 64-byte chunk (128 weights) costs three logic ops and nine vpdpbusd: four byte
-//     planes x two nibbles, and the codes' sum. The integer sums are exact; the block's
+//     so a 64-byte chunk (128 weights) costs four logic ops and eight vpdpbusd (four byte
+//     planes x two nibbles; the codes' sum Q added up as bytes). The integer sums are exact; the block's
 //     sum_k c_k q_k is then (A0 + 2^8 A1 + 2^16 A2 + 2^24 (A3 - 128 Q)) / 2^s_b, rounded once
 //     to float32, and y += scale * that + mean_b * (scale * Q + block_size * offset) + offset *
 //     sum_k c_k (Q = the codes' sum; the second factor is the block's weight sum; the last term
@@ -392,9 +392,13 @@ inline void add_block_sums(const Step& st, const Packed& w, const uint8_t* p, in
 // group's weights is prefetched into L2 kPrefetchBytes ahead: SmolLM2 int4 batch 1 on a 2-core
 // Xeon VM went ~140 -> ~180 -> ~222 tokens/s at 0 / 2 / 8 KiB (flat to 32 KiB; the hardware
 // prefetcher alone keeps too few lines in flight there; into L1: no better, non-temporal: half
-// the speed). 4-bit chunks: three logic ops, one vpdpbusd for the codes' sum and eight per row
-// of x per 128 weights; 8-bit (signed bytes): one and four per row per 64. The rows share each
-// chunk's load and unpacking, and each row's sums are the one-row loop's, bit for bit.
+// the speed). 4-bit chunks: four logic ops and eight vpdpbusd per row of x per 128 weights, and
+// the codes' sums added up as bytes, one vpdpbusd per 8 chunks (a vpdpbusd per chunk: SmolLM2's
+// 120 layer linears 1.03x slower on one core, 1.01-1.02x on two, 2-core Zen 4 VM: the loop is
+// bound by the two ports that run vpdpbusd and the float multiply-adds, ~14 a chunk with the
+// block's share of add_block_sums); 8-bit (signed bytes): one vpdpbusd for the sums and four
+// per row per 64 weights. The rows share each chunk's load and unpacking, and each row's sums
+// are the one-row loop's, bit for bit.
 template <bool HALF, int BITS, int ROWS>
 void gemv_groups_vnni(const Step& st, int64_t first, int64_t last) {
   const Packed& w = *st.w;
@@ -428,7 +432,7 @@ void gemv_groups_vnni(const Step& st, int64_t first, int64_t last) {
       const uint8_t* x0 = st.planes + b * kPlanes * width;   // row 0's planes of block b
       for (int s = 0; s < live; ++s) {
         const uint8_t* p = w.block(groups[s], b);
-        __m512i a[ROWS][kPlanes], q = _mm512_setzero_si512();
+        __m512i a[ROWS][kPlanes], q = _mm512_setzero_si512(), code_sums = q;
         for (int r = 0; r < ROWS; ++r)
           for (int k = 0; k < kPlanes; ++k) a[r][k] = _mm512_setzero_si512();
         for (int64_t j = 0; j < w.chunks(); ++j) {
@@ -447,7 +451,12 @@ void gemv_groups_vnni(const Step& st, int64_t first, int64_t last) {
             for (int k = 0; k < kPlanes; ++k) a[r][k] = _mm512_dpbusd_epi32(a[r][k], broadcast4(xr + k * width), lo);
             for (int k = 0; k < kPlanes; ++k) a[r][k] = _mm512_dpbusd_epi32(a[r][k], broadcast4(xr + k * width + 4), hi);
           }
-          q = _mm512_dpbusd_epi32(q, ones, _mm512_add_epi8(lo, hi));
+          // the codes' sums as bytes (at most 8 chunks x 30 = 240), one vpdpbusd per 8 chunks
+          code_sums = _mm512_add_epi8(code_sums, _mm512_add_epi8(lo, hi));
+          if ((j & 7) == 7 || j + 1 == w.chunks()) {
+            q = _mm512_dpbusd_epi32(q, code_sums, ones);
+            code_sums = _mm512_setzero_si512();
+          }
         }
         _mm_prefetch(reinterpret_cast<const char*>(p + w.code_bytes() + kPrefetchBytes), _MM_HINT_T1);
         for (int r = 0; r < ROWS; ++r)
