@@ -61,6 +61,10 @@ TINY_CONFIGS = {
     # head_dim 12: ONNX Runtime's GroupQueryAttention needs a multiple of 8, so these graphs
     # keep the general body for one-sequence prompts
     "llama-hd12": ("LlamaConfig", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2)),
+    # int4 linears of 80-330 KB and head_dim 64: the C++ kernels split their work over the
+    # threads (they run small parts in one thread)
+    "llama-wide": ("LlamaConfig", dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                                       num_key_value_heads=2)),
 }
 
 

@@ -503,15 +503,19 @@ def decoder_layer_nodes(engine: str, kind: str = "decode") -> int:
     return sum(n.op_type == "DecoderLayer" for n in graph.node)
 
 
-@pytest.mark.parametrize("quantization, kv_cache_dtype", [("int4", "float32"), ("int4", "float16"),
-                                                          ("int8", "float32")])
-def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_path, quantization, kv_cache_dtype):
+@pytest.mark.parametrize("kind, quantization, kv_cache_dtype", [
+    ("llama-gqa", "int4", "float32"), ("llama-gqa", "int4", "float16"), ("llama-gqa", "int8", "float32"),
+    ("llama-wide", "int4", "float32")])
+def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_path, kind, quantization,
+                                                              kv_cache_dtype):
     """An int4 (or int8: split 8-bit linears) engine's kernels graphs hold one DecoderLayer node per layer
     (builder.fused_ops.fuse_decoder_layers, trtllm_lite/ort_kernels/decoder_layer.cc): prompts
     in chunks, steps mixing prompt chunks with decodes, and decodes give the tokens and
     logprobs of the same engine with each layer's ten nodes, bit for bit (a float16 pool rounds
     the K/V, so any difference in the norms' arithmetic would show as ~1e-3 in the logprobs:
-    QA, session 33)."""
+    QA, session 33). ``llama-wide``: linears and contexts large enough that the parts split
+    their work over the threads, which decode steps hand out through the layer's WorkRegion
+    (kernel_common.h) and the ten nodes through ONNX Runtime."""
     import shutil
 
     import onnx
@@ -521,7 +525,7 @@ def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_p
 
     if ort_kernels.library_path() is None:
         pytest.skip("the DecoderLayer op is trtllm-lite's kernels' (no C++ compiler here)")
-    hf, engine = tiny_model("llama-gqa", quantization=quantization, quant_block_size=32, quant_symmetric=False,
+    hf, engine = tiny_model(kind, quantization=quantization, quant_block_size=32, quant_symmetric=False,
                             accuracy_level=0, kv_cache_dtype=kv_cache_dtype)
     unfused = str(tmp_path / "unfused")
     shutil.copytree(engine, unfused)
@@ -530,7 +534,8 @@ def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_p
         graph = onnx.load(os.path.join(engine, f"{kind}.onnx"), load_external_data=False)
         onnx.save(with_kv_write_in_op(without_attention_metadata(graph)), os.path.join(unfused, f"{kind}.kernels.onnx"))
         assert decoder_layer_nodes(unfused, kind) == 0
-    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in (1, 9, 30, 5)]
+    lengths = (1, 9, 30, 5) if kind != "llama-wide" else (1, 100, 150, 5)   # (wide: 64 KiB of K/V and more)
+    prompts = [np.random.default_rng(n).integers(0, 256, n).tolist() for n in lengths]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     # an 8-token budget: chunked prompts beside decodes; 48: steps of up to 45 rows, whose norms
     # run 8 rows side by side and split over the threads (elementwise.cc skip_norm)

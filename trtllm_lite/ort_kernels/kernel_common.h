@@ -5,6 +5,8 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -389,6 +391,85 @@ inline size_t available_cores() {
   return cores;
 }
 
+// A fused kernel's parallel region: one ONNX Runtime dispatch runs a driver (the kernel's
+// parts one after another) and a helper, and each parallel_for of the parts inside it hands its
+// items to whichever of the two claims them first, through atomics (a phase: its function and
+// a ticket, phase << 32 | next batch; the driver waits until every batch is done). ONNX
+// Runtime's own dispatch costs ~1-2 us a call on the 2-core VMs (a thread woken, items handed
+// out, the caller waiting at the end), ~5 calls a decoder layer at batch 1. No wait depends on
+// the helper being there: the driver claims every batch left, and a helper that finds no work
+// for kRegionIdleNs returns, so the region runs (serially) however ONNX Runtime places the two.
+class WorkRegion {
+ public:
+  static constexpr int64_t kRegionIdleNs = 200000;
+  // driver: fn(user, i) for i in [0, total), in `batches` contiguous ranges (0: one per item)
+  void run(void (*fn)(void*, size_t), size_t total, void* user, size_t batches) {
+    batches = batches == 0 || batches > total ? total : batches;
+    fn_.store(fn, std::memory_order_relaxed);
+    user_.store(user, std::memory_order_relaxed);
+    total_.store(total, std::memory_order_relaxed);
+    batches_.store(batches, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    ticket_.store(static_cast<uint64_t>(++phase_) << 32, std::memory_order_release);
+    while (claim()) {
+    }
+    while (done_.load(std::memory_order_acquire) < batches) pause();
+  }
+  // helper: runs what it claims until the driver is done or nothing comes for kRegionIdleNs
+  void help() {
+    int64_t idle_from = -1;
+    for (unsigned spins = 0;; ++spins) {
+      if (claim()) {
+        idle_from = -1;
+        continue;
+      }
+      if (finished_.load(std::memory_order_acquire)) return;
+      if (spins % 64 == 0) {
+        const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now().time_since_epoch()).count();
+        if (idle_from < 0) idle_from = now;
+        if (now - idle_from > kRegionIdleNs) return;
+      }
+      pause();
+    }
+  }
+  void finish() { finished_.store(true, std::memory_order_release); }
+
+ private:
+  static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  // claims the current phase's next batch and runs it; false when none is left
+  bool claim() {
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    for (;;) {
+      const size_t b = static_cast<uint32_t>(t), n = batches_.load(std::memory_order_relaxed);
+      if (t == 0 || b >= n) return false;
+      auto* fn = fn_.load(std::memory_order_relaxed);
+      void* user = user_.load(std::memory_order_relaxed);
+      const size_t total = total_.load(std::memory_order_relaxed);
+      // (the fields read above are this phase's if the ticket is still t: a phase's fields
+      // change only once all its batches are claimed)
+      if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        for (size_t i = total * b / n; i < total * (b + 1) / n; ++i) fn(user, i);
+        done_.fetch_add(1, std::memory_order_release);
+        return true;
+      }
+    }
+  }
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<void (*)(void*, size_t)> fn_{nullptr};
+  std::atomic<void*> user_{nullptr};
+  std::atomic<size_t> total_{0}, batches_{0}, done_{0};
+  std::atomic<bool> finished_{false};
+  uint32_t phase_ = 0;   // the driver's
+};
+
+// The region the calling thread drives (set by the fused kernel around its parts), or null.
+extern thread_local WorkRegion* g_region;
+
 // fn(user, i) for i in [0, total) on ONNX Runtime's intra-op threads; in the calling thread
 // when there is one item or the caller says the work is too small to hand out (waking the
 // pool's threads costs microseconds: most of a batch-1 call's work). num_batches 0 lets ONNX
@@ -398,6 +479,10 @@ inline OrtStatus* parallel_for(OrtKernelContext* context, void (*fn)(void*, size
                                bool serial = false, size_t num_batches = 0) {
   if (serial || total <= 1) {
     for (size_t i = 0; i < total; ++i) fn(user, i);
+    return nullptr;
+  }
+  if (g_region) {   // inside a fused kernel's region: its two threads, no dispatch
+    g_region->run(fn, total, user, num_batches);
     return nullptr;
   }
   return slot<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(

@@ -9,6 +9,7 @@ namespace trtllm_lite_kernels {
 const OrtApi* g_api = nullptr;
 bool g_shape_reference = false;
 thread_local const PartIO* g_part = nullptr;
+thread_local WorkRegion* g_region = nullptr;
 
 namespace {
 // Whether ONNX Runtime "major.minor.patch" has API version `api` (its API version is its minor
