@@ -551,6 +551,30 @@ def test_fused_decoder_layers_compute_what_their_nodes_compute(tiny_model, tmp_p
                 assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
 
 
+def test_fused_decoder_layer_error_at_a_decode_step_leaves_the_next_step_whole(tiny_model):
+    """A decode step (the layer's WorkRegion) whose attention part refuses its input (a block
+    outside the pool) fails with the kernel's message, and the next steps on the same sessions
+    give what they give without it: the region's threads were let go."""
+    from trtllm_lite import ort_kernels
+
+    if ort_kernels.library_path() is None:
+        pytest.skip("the DecoderLayer op is trtllm-lite's kernels' (no C++ compiler here)")
+    _, engine = tiny_model("llama-wide", quantization="int4", quant_block_size=32, quant_symmetric=False,
+                           accuracy_level=0)
+    llm = LLM(engine, num_kv_blocks=32, verify_checksums=False, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    prompt = np.random.default_rng(0).integers(0, 256, 100).tolist()
+    blocks = list(range(-(-(len(prompt) + 1) // llm.engine.block_size)))
+    runner.execute(StepBatch(prefill=[ScheduledSeq(prompt, blocks, 0, len(prompt))]))
+    decode = ScheduledSeq(prompt + [1], blocks, len(prompt), 1)
+    expected = runner.execute(StepBatch(decode=[decode]))
+    bad = ScheduledSeq(prompt + [1], [10_000] + blocks[1:], len(prompt), 1)
+    for _ in range(3):
+        with pytest.raises(Exception, match=r"block_tables\[0, 0\] = 10000 outside the pool"):
+            runner.execute(StepBatch(decode=[bad]))
+        np.testing.assert_array_equal(runner.execute(StepBatch(decode=[decode])), expected)
+
+
 # -- W8A8: int8 weights per channel, int8 activations per token ---------------------------
 
 def test_w8a8_weight_codes_within_half_a_step():

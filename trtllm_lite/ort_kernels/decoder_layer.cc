@@ -36,6 +36,7 @@
 // 1.016x, step-interleaved on the 2-core Zen 4 VM). The parts' items and their arithmetic are
 // the same, so the outputs are too.
 #include <array>
+#include <exception>
 #include <mutex>
 
 #include "kernel_common.h"
@@ -155,7 +156,13 @@ OrtStatus* Kernel::compute(OrtKernelContext* context) {
     Call& c = *static_cast<Call*>(user);
     if (i == 1) return c.region.help();
     g_region = &c.region;
-    c.status = c.kernel->run_layer(c.context, c.in, c.normed_out, c.residual_out);
+    try {   // (an exception would otherwise leave through ONNX Runtime's thread pool, not its Run)
+      c.status = c.kernel->run_layer(c.context, c.in, c.normed_out, c.residual_out);
+    } catch (const std::exception& e) {
+      c.status = error(ORT_FAIL, std::string("DecoderLayer: ") + e.what());
+    } catch (...) {
+      c.status = error(ORT_FAIL, "DecoderLayer: an unknown exception");
+    }
     g_region = nullptr;
     c.region.finish();
   };
