@@ -393,24 +393,32 @@ inline size_t available_cores() {
 
 // A fused kernel's parallel region: one ONNX Runtime dispatch runs a driver (the kernel's
 // parts one after another) and a helper, and each parallel_for of the parts inside it hands its
-// items to whichever of the two claims them first, through atomics (a phase: its function and
-// a ticket, phase << 32 | next batch; the driver waits until every batch is done). ONNX
-// Runtime's own dispatch costs ~1-2 us a call on the 2-core VMs (a thread woken, items handed
-// out, the caller waiting at the end), ~5 calls a decoder layer at batch 1. No wait depends on
-// the helper being there: the driver claims every batch left, and a helper that finds no work
-// for kRegionIdleNs returns, so the region runs (serially) however ONNX Runtime places the two.
+// batches to whichever of the two claims them first (a phase: its function, and a ticket word
+// phase | batches | next batch, advanced by compare-and-swap; the driver waits until every
+// batch is done). ONNX Runtime's own dispatch costs ~1-2 us a call on the 2-core VMs (a thread
+// woken, items handed out, the caller waiting at the end), ~5 calls a decoder layer at batch 1.
+// No wait depends on the helper being there: the driver claims every batch left, and a helper
+// that finds no work for kRegionIdleNs returns, so the region runs (serially) however ONNX
+// Runtime places the two. The phase's batch count is in the ticket word itself: a claim checks
+// and advances one word, so it can only succeed on a phase still open, whose function and data
+// are set (read from a field beside an exhausted ticket, a new phase's larger count let a
+// helper claim a batch past the old phase's end while the driver was writing the new phase's
+// fields, and run it on a mix of the two: found by QA, session 36).
 class WorkRegion {
  public:
   static constexpr int64_t kRegionIdleNs = 200000;
   // driver: fn(user, i) for i in [0, total), in `batches` contiguous ranges (0: one per item)
   void run(void (*fn)(void*, size_t), size_t total, void* user, size_t batches) {
     batches = batches == 0 || batches > total ? total : batches;
+    batches = std::min<size_t>(batches, kIndexMask);
     fn_.store(fn, std::memory_order_relaxed);
     user_.store(user, std::memory_order_relaxed);
     total_.store(total, std::memory_order_relaxed);
-    batches_.store(batches, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    ticket_.store(static_cast<uint64_t>(++phase_) << 32, std::memory_order_release);
+    phase_ = (phase_ + 1) & kPhaseMask;
+    if (phase_ == 0) phase_ = 1;   // (ticket 0: no phase yet)
+    ticket_.store(static_cast<uint64_t>(phase_) << (2 * kIndexBits) | static_cast<uint64_t>(batches) << kIndexBits,
+                  std::memory_order_release);
     while (claim()) {
     }
     while (done_.load(std::memory_order_acquire) < batches) pause();
@@ -436,6 +444,9 @@ class WorkRegion {
   void finish() { finished_.store(true, std::memory_order_release); }
 
  private:
+  static constexpr int kIndexBits = 20;   // batches and next batch: 20 bits each, the phase 24
+  static constexpr uint64_t kIndexMask = (uint64_t{1} << kIndexBits) - 1;
+  static constexpr uint32_t kPhaseMask = (uint32_t{1} << 24) - 1;
   static void pause() {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -445,13 +456,13 @@ class WorkRegion {
   bool claim() {
     uint64_t t = ticket_.load(std::memory_order_acquire);
     for (;;) {
-      const size_t b = static_cast<uint32_t>(t), n = batches_.load(std::memory_order_relaxed);
-      if (t == 0 || b >= n) return false;
+      const size_t b = t & kIndexMask, n = (t >> kIndexBits) & kIndexMask;
+      if (b >= n) return false;   // (also ticket 0: no phase yet)
       auto* fn = fn_.load(std::memory_order_relaxed);
       void* user = user_.load(std::memory_order_relaxed);
       const size_t total = total_.load(std::memory_order_relaxed);
-      // (the fields read above are this phase's if the ticket is still t: a phase's fields
-      // change only once all its batches are claimed)
+      // the fields read above are t's phase's if the ticket is still t: they change only after
+      // all of its batches are claimed and done, which moves the ticket past t
       if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
         for (size_t i = total * b / n; i < total * (b + 1) / n; ++i) fn(user, i);
         done_.fetch_add(1, std::memory_order_release);
@@ -462,7 +473,7 @@ class WorkRegion {
   std::atomic<uint64_t> ticket_{0};
   std::atomic<void (*)(void*, size_t)> fn_{nullptr};
   std::atomic<void*> user_{nullptr};
-  std::atomic<size_t> total_{0}, batches_{0}, done_{0};
+  std::atomic<size_t> total_{0}, done_{0};
   std::atomic<bool> finished_{false};
   uint32_t phase_ = 0;   // the driver's
 };
