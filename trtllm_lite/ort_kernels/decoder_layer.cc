@@ -32,8 +32,8 @@
 // per-node work between them: a node's dispatch, its inputs' and outputs' handling and arena
 // allocations (ten nodes a layer -> one). At decode steps (up to kRegionTokens tokens) the parts'
 // parallel loops run in one WorkRegion (kernel_common.h): one ONNX Runtime dispatch a layer
-// instead of one per parallel part (SmolLM2 int4 batch 1: five a layer; its decode step 1.013-
-// 1.016x, step-interleaved on the 2-core Zen 4 VM). The parts' items and their arithmetic are
+// instead of one per parallel part (SmolLM2 int4 batch 1: five a layer; its decode step 1.01-
+// 1.04x, step-interleaved on the 2-core Zen 4 VM, as the hour's speed goes; 12 sequences 1.00x). The parts' items and their arithmetic are
 // the same, so the outputs are too.
 #include <array>
 #include <exception>

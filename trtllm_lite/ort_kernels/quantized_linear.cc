@@ -38,8 +38,8 @@
 //     as 32-bit integers C = round(c * 2^s_b) (s_b: the power of two that puts the block's
 //     largest |c| in [2^30, 2^31)), each as four unsigned bytes of C + 2^31. One vpdpbusd
 //     multiplies four of those bytes by four codes and adds them into each row's int32 sum,
-//     so a 64-byte chunk (128 weights) costs four logic ops and eight vpdpbusd (four byte
-//     planes x two nibbles; the codes' sum Q added up as bytes). The integer sums are exact; the block's
+//     so a 64-byte chunk (128 weights) costs five logic ops and eight vpdpbusd (four byte
+//     planes x two nibbles; the codes' sum Q added up as bytes, two of the five ops). The integer sums are exact; the block's
 //     sum_k c_k q_k is then (A0 + 2^8 A1 + 2^16 A2 + 2^24 (A3 - 128 Q)) / 2^s_b, rounded once
 //     to float32, and y += scale * that + mean_b * (scale * Q + block_size * offset) + offset *
 //     sum_k c_k (Q = the codes' sum; the second factor is the block's weight sum; the last term
@@ -392,7 +392,7 @@ inline void add_block_sums(const Step& st, const Packed& w, const uint8_t* p, in
 // group's weights is prefetched into L2 kPrefetchBytes ahead: SmolLM2 int4 batch 1 on a 2-core
 // Xeon VM went ~140 -> ~180 -> ~222 tokens/s at 0 / 2 / 8 KiB (flat to 32 KiB; the hardware
 // prefetcher alone keeps too few lines in flight there; into L1: no better, non-temporal: half
-// the speed). 4-bit chunks: four logic ops and eight vpdpbusd per row of x per 128 weights, and
+// the speed). 4-bit chunks: five logic ops and eight vpdpbusd per row of x per 128 weights, and
 // the codes' sums added up as bytes, one vpdpbusd per 8 chunks (a vpdpbusd per chunk: SmolLM2's
 // 120 layer linears 1.03x slower on one core, 1.01-1.02x on two, 2-core Zen 4 VM: the loop is
 // bound by the two ports that run vpdpbusd and the float multiply-adds, ~14 a chunk with the
