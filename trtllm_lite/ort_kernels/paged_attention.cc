@@ -256,18 +256,28 @@ void attend_portable(const DecodeStep<KV>& st, int64_t s, int64_t h, float* scor
 #ifdef __AVX512F__
 // v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes: a transpose-add in four
 // steps (pairs within 128-bit lanes, then quads, then across the 128-bit lanes), 45 shuffles
-// and adds for 16 sums where 16 horizontal sums take ~128.
-inline __m512 sum16(const __m512 v[16]) {
-  __m512 t[8], u[4], w[2];
-  for (int k = 0; k < 8; ++k)   // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k)   // per 128-bit lane: that lane's sums of v[4k .. 4k + 3]
-    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+// and adds for 16 sums where 16 horizontal sums take ~128. The first two steps take each four
+// of the v on their own (sum16_quad), so a caller can run them as its vectors come.
+// v[0..3] -> per 128-bit lane: that lane's sums of v[0], ..., v[3] (sum16's first two steps).
+inline __m512 sum16_quad(const __m512 v[4]) {
+  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[0], v[1], then of v[2], v[3]
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// sum16's last two steps, on sum16_quad of v[0..3], v[4..7], v[8..11], v[12..15].
+inline __m512 sum16_finish(const __m512 u[4]) {
+  __m512 w[2];
   for (int k = 0; k < 2; ++k)   // 128-bit lanes [u0 + u1, u2 + u3] of u[2k], then of u[2k + 1]
     w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
                          _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+inline __m512 sum16(const __m512 v[16]) {
+  const __m512 u[4] = {sum16_quad(v), sum16_quad(v + 4), sum16_quad(v + 8), sum16_quad(v + 12)};
+  return sum16_finish(u);
 }
 
 // AVX-512 version for head_dim = 16 * NC: KV heads [h0, h0 + nh) of sequence s, each pool row
@@ -276,11 +286,15 @@ inline __m512 sum16(const __m512 v[16]) {
 // registers).
 // Cached positions [begin, end), plus the new token when with_new (the last chunk). partial:
 // null to write the normalized output, else [rows, D + 2] for merge_chunks (all KV heads).
-template <int NC, typename KV>
+// G: the query heads per KV head when the caller knows it (attend_avx512_any), else 0. With G,
+// each K and V row is loaded (a float16 one converted) once for its G query heads, where the
+// general loops below load it once per query head; the arithmetic is the same, operation by
+// operation, so the outputs are bit for bit the general loops'.
+template <int NC, int G, typename KV>
 void attend_avx512(const DecodeStep<KV>& st, int64_t s, int64_t h0, int64_t nh, int64_t begin, int64_t end,
                    bool with_new, float* scores, float* acc, float* partial) {
   constexpr int64_t d = 16 * NC;
-  const int64_t hkv = st.num_kv_heads, group = st.num_heads / hkv, rows = nh * group;
+  const int64_t hkv = st.num_kv_heads, group = G > 0 ? G : st.num_heads / hkv, rows = nh * group;
   const int64_t ctx = st.context_lens[s], stride = hkv * d;
   const int64_t n = end - begin + (with_new ? 1 : 0);
   if (n == 0) return write_empty_partial(partial, rows, d);   // a shorter sequence's chunk
@@ -292,6 +306,43 @@ void attend_avx512(const DecodeStep<KV>& st, int64_t s, int64_t h0, int64_t nh, 
   // (sum16) into a vector of 16 scores, instead of a horizontal sum per position
   // (next: the next block, prefetched a share per query head and tile)
   auto score_rows = [&](const auto* k, int64_t first, int64_t len, BlockPrefetch& next) {   // k: head h0's row at first
+    if constexpr (G > 0) {
+      // per KV head and 4 positions: each row's NC vectors loaded once, times the G heads' q
+      // (G x 4 dot products in registers), then sum16's first steps on each head's four
+      const int64_t shares = (len + 15) / 16 * nh * 4;
+      for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int64_t tile = std::min<int64_t>(16, len - j0);
+        const __mmask16 mask = static_cast<__mmask16>((1u << tile) - 1);
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          const auto* kh = k + j0 * stride + hh * d;
+          __m512 qv[G][NC], quads[G][4];
+          for (int g = 0; g < G; ++g)
+            for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_loadu_ps(q_scaled + (hh * G + g) * d + 16 * c);
+          for (int jq = 0; jq < 4; ++jq) {
+            next.upto(((j0 / 16) * nh + hh) * 4 + jq + 1, shares);
+            __m512 dots[G][4];
+            for (int jj = 0; jj < 4; ++jj) {
+              const int64_t j = 4 * jq + jj;
+              if (j >= tile) {
+                for (int g = 0; g < G; ++g) dots[g][jj] = _mm512_setzero_ps();
+                continue;
+              }
+              const auto* kr = kh + j * stride;
+              const __m512 k0 = load_ps16(kr);
+              for (int g = 0; g < G; ++g) dots[g][jj] = _mm512_mul_ps(qv[g][0], k0);
+              for (int c = 1; c < NC; ++c) {
+                const __m512 kc = load_ps16(kr + 16 * c);
+                for (int g = 0; g < G; ++g) dots[g][jj] = _mm512_fmadd_ps(qv[g][c], kc, dots[g][jj]);
+              }
+            }
+            for (int g = 0; g < G; ++g) quads[g][jq] = sum16_quad(dots[g]);
+          }
+          for (int g = 0; g < G; ++g)
+            _mm512_mask_storeu_ps(scores + (hh * G + g) * n + first + j0 - begin, mask, sum16_finish(quads[g]));
+        }
+      }
+      return;
+    }
     const int64_t shares = (len + 15) / 16 * rows;
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
       const int64_t tile = std::min<int64_t>(16, len - j0);
@@ -353,6 +404,35 @@ void attend_avx512(const DecodeStep<KV>& st, int64_t s, int64_t h0, int64_t nh, 
   // odd positions, so the multiply-adds do not wait on each other); the rows come from L1
   // after the group's first head
   auto add_rows = [&](const auto* v, int64_t first, int64_t len, BlockPrefetch& next) {
+    if constexpr (G > 0) {
+      // per KV head: the even positions into the G heads' sums (from acc), then the odd ones
+      // (from 0), each row loaded once for the G heads; acc = even + odd, as below
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const auto* vh = v + hh * d;
+        float* a = acc + hh * G * d;   // the G heads' sums, [G, D]
+        const float* p = scores + hh * G * n + first - begin;   // head g's: p + g * n
+        for (int parity = 0; parity < 2; ++parity) {
+          next.upto(2 * hh + parity + 1, 2 * nh);
+          __m512 sums[G][NC];
+          for (int g = 0; g < G; ++g)
+            for (int c = 0; c < NC; ++c) sums[g][c] = parity ? _mm512_setzero_ps() : _mm512_loadu_ps(a + g * d + 16 * c);
+          for (int64_t j = parity; j < len; j += 2) {
+            __m512 row[NC];
+            for (int c = 0; c < NC; ++c) row[c] = load_ps16(vh + j * stride + 16 * c);
+            for (int g = 0; g < G; ++g) {
+              const __m512 pg = _mm512_set1_ps(p[g * n + j]);
+              for (int c = 0; c < NC; ++c) sums[g][c] = _mm512_fmadd_ps(pg, row[c], sums[g][c]);
+            }
+          }
+          for (int g = 0; g < G; ++g)
+            for (int c = 0; c < NC; ++c) {
+              float* out = a + g * d + 16 * c;
+              _mm512_storeu_ps(out, parity ? _mm512_add_ps(_mm512_loadu_ps(out), sums[g][c]) : sums[g][c]);
+            }
+        }
+      }
+      return;
+    }
     for (int64_t hh = 0; hh < nh; ++hh) {
       const auto* vh = v + hh * d;
       for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
@@ -390,6 +470,22 @@ void attend_avx512(const DecodeStep<KV>& st, int64_t s, int64_t h0, int64_t nh, 
     for (int c = 0; c < NC; ++c)
       _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + g * d + 16 * c), inv));
   }
+}
+
+// attend_avx512 with G for the common group sizes whose G x NC sums fit the registers
+// (SmolLM2: 3 query heads per KV head, head_dim 64), else the general loops.
+template <int NC, typename KV>
+void attend_avx512_any(const DecodeStep<KV>& st, int64_t s, int64_t h0, int64_t nh, int64_t begin, int64_t end,
+                       bool with_new, float* scores, float* acc, float* partial) {
+  const int64_t group = st.num_heads / st.num_kv_heads;
+  if constexpr (NC <= 4) {
+    if (group == 2) return attend_avx512<NC, 2, KV>(st, s, h0, nh, begin, end, with_new, scores, acc, partial);
+    if (group == 3) return attend_avx512<NC, 3, KV>(st, s, h0, nh, begin, end, with_new, scores, acc, partial);
+  }
+  if constexpr (NC <= 2) {
+    if (group == 4) return attend_avx512<NC, 4, KV>(st, s, h0, nh, begin, end, with_new, scores, acc, partial);
+  }
+  return attend_avx512<NC, 0, KV>(st, s, h0, nh, begin, end, with_new, scores, acc, partial);
 }
 #endif
 
@@ -551,10 +647,10 @@ void attend(void* user, size_t item) {
     float* partial = st.partial + static_cast<int64_t>(item) * st.num_heads * (st.head_dim + 2);
     switch (st.head_dim) {
 #ifdef __AVX512F__
-      case 16: return attend_avx512<1, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
-      case 32: return attend_avx512<2, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
-      case 64: return attend_avx512<4, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
-      case 128: return attend_avx512<8, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 16: return attend_avx512_any<1, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 32: return attend_avx512_any<2, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 64: return attend_avx512_any<4, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
+      case 128: return attend_avx512_any<8, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
 #else
       case 16: return attend_avx2<2, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
       case 32: return attend_avx2<4, KV>(st, s, 0, hkv, begin, end, last, scores, acc, partial);
@@ -573,10 +669,10 @@ void attend(void* user, size_t item) {
   float* acc = scores + nh * group * n;       // [nh * G, D]
 #ifdef __AVX512F__
   switch (st.head_dim) {
-    case 16: return attend_avx512<1, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
-    case 32: return attend_avx512<2, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
-    case 64: return attend_avx512<4, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
-    case 128: return attend_avx512<8, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 16: return attend_avx512_any<1, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 32: return attend_avx512_any<2, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 64: return attend_avx512_any<4, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
+    case 128: return attend_avx512_any<8, KV>(st, s, h0, nh, 0, ctx, true, scores, acc, nullptr);
     default: break;
   }
 #elif defined(TRTLLM_LITE_AVX2)
