@@ -179,6 +179,10 @@ DECODE_CASES = [c for c in CASES if set(c[5]) == {1}] + [
     # value pass's odd row (per-sequence items; chunks)
     (8, 2, 32, 40, [81, 5, 40, 120, 7, 1, 39, 200], [1] * 8),
     (4, 2, 16, 17, [300], [1]),
+    # 2 query heads per KV head at head_dim 64 (the AVX-512 loops that load each K/V row once
+    # for a KV head's 2-4 query heads: 3 and 4 are above), per sequence and in chunks
+    (8, 4, 64, 16, [150, 40, 7], [1, 1, 1]),
+    (4, 2, 64, 16, [500], [1]),
 ]
 
 PREFILL_CASES = [c for c in CASES if set(c[5]) != {1}] + [
