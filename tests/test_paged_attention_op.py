@@ -239,6 +239,34 @@ def test_kernel_matches_reference(kernel_library, heads, kv_heads, head_dim, blo
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pool", [np.float32, np.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", [
+    (9, 3, 64, 16, [40, 300], [1, 1]),       # decode: an item per sequence
+    (9, 3, 64, 16, [700], [1]),             # decode: one sequence in chunks, merged
+    (4, 2, 12, 4, [40, 9], [1, 1]),          # decode: the portable loop
+    (9, 3, 64, 16, [40, 0], [1, 30]),        # a decode beside a prompt (tiles)
+    (9, 3, 64, 16, [40], [5]),               # a prompt chunk after the cached context
+])
+def test_kernel_keeps_a_nan_in_the_cache(kernel_library, heads, kv_heads, head_dim, block_size, ctx, qlens, pool):
+    """A NaN in one cached K row (a model that overflowed at an earlier step) reaches every
+    output row that attends it, as float arithmetic's softmax gives (the float64 reference),
+    and no other: the exponentials' clamp at -87 once took the NaN for -87 on the decode
+    paths, a weight of ~0, and the output looked fine."""
+    step = random_step(np.random.default_rng(5), ctx, qlens, heads, kv_heads, head_dim, block_size)
+    step["key_cache"][step["block_tables"][0, 1], 3, 0, 5] = np.nan   # sequence 0, position block_size + 3, KV head 0
+    step["key_cache"] = step["key_cache"].astype(pool)
+    step["value_cache"] = step["value_cache"].astype(pool)
+    pool_type = TensorProto.FLOAT if pool == np.float32 else TensorProto.FLOAT16
+    sess = kernel_session(kernel_library, heads, kv_heads, head_dim, metadata=False, pool_type=pool_type)
+    (got,) = sess.run(None, step)
+    want = reference_paged_attention(step["query"], step["key"], step["value"], step["key_cache"],
+                                     step["value_cache"], step["block_tables"], step["context_lens"],
+                                     step["query_start_loc"], head_dim ** -0.5)
+    assert np.isnan(want).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got[~np.isnan(want)], want[~np.isnan(want)], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,ctx,qlens", DECODE_CASES + PREFILL_CASES)
 def test_kernel_reads_float16_pools(kernel_library, heads, kv_heads, head_dim, block_size, ctx, qlens):
     """float16 KV pools (an engine built with ``--kv-cache-dtype float16``): every path (decode

@@ -266,7 +266,7 @@ inline std::string dims_string(const Dims& dims) {
 #ifdef __AVX512F__
 // e^x for x <= 0, 16 lanes: exp_nonpositive's polynomial, 2^n by vscalefps.
 inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);   // (a NaN x stays NaN: max returns its second operand)
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -282,13 +282,13 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 
 // e^x for x in [-87, 88] (clamped outside), 16 lanes.
-inline __m512 exp16(__m512 x) { return exp_nonpositive16(_mm512_min_ps(x, _mm512_set1_ps(88.0f))); }
+inline __m512 exp16(__m512 x) { return exp_nonpositive16(_mm512_min_ps(_mm512_set1_ps(88.0f), x)); }
 #endif
 
 #ifdef TRTLLM_LITE_AVX2
 // e^x for x <= 0, 8 lanes: exp_nonpositive's polynomial, 2^n through the exponent bits.
 inline __m256 exp_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   // (a NaN x stays NaN: max returns its second operand)
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
