@@ -4,6 +4,7 @@
 // let the helper claim a batch past an old phase's end as the driver published a larger one:
 // 800-1,200 bad items in 300,000 phases here, a segfault in SmolLM2 int4 decode steps.)
 #include <cstdio>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -59,7 +60,42 @@ int main(int argc, char** argv) {
     helper.join();
     ++regions;
   }
+  // an item that throws, run by either thread: the driver's run() rethrows it once every batch
+  // is done (the fused kernel turns it into its status), and the region goes on
+  long thrown = 0, lost = 0;
+  {
+    WorkRegion region;
+    std::thread helper([&] { region.help(); });
+    struct Throwing {
+      size_t bad_item;
+      std::atomic<unsigned>* runs;
+    };
+    for (long p = 0; p < 2000; ++p) {
+      const size_t total = 8;
+      for (size_t i = 0; i < total; ++i) runs[i].store(0);
+      Throwing job{static_cast<size_t>(p) % total, runs.data()};
+      try {
+        region.run([](void* user, size_t i) {
+          Throwing& t = *static_cast<Throwing*>(user);
+          t.runs[i].fetch_add(1);
+          if (i == t.bad_item) throw std::runtime_error("item failed");
+        }, total, &job, 0);
+      } catch (const std::runtime_error& e) {
+        thrown += std::string(e.what()) == "item failed";
+      }
+      for (size_t i = 0; i < total; ++i)   // the other batches still ran, once each
+        if (runs[i].load() != 1) ++lost;
+      Job plain{static_cast<unsigned>(p), total, runs.data(), &wrong};
+      for (size_t i = 0; i < total; ++i) runs[i].store(0);
+      region.run(item, total, &plain, 0);   // the next phase is whole
+      for (size_t i = 0; i < total; ++i)
+        if (runs[i].load() != 1) ++bad;
+    }
+    region.finish();
+    helper.join();
+  }
   // items run after their phase ended would show as runs != 1 in a later check or as `wrong`
-  std::printf("phases %ld regions %ld bad %ld wrong %u\n", phases, regions, bad, wrong.load());
-  return bad == 0 && wrong.load() == 0 ? 0 : 1;
+  std::printf("phases %ld regions %ld bad %ld wrong %u thrown %ld/2000 lost %ld\n", phases, regions, bad,
+              wrong.load(), thrown, lost);
+  return bad == 0 && wrong.load() == 0 && thrown == 2000 && lost == 0 ? 0 : 1;
 }

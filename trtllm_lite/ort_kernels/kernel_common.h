@@ -10,9 +10,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -403,7 +405,9 @@ inline size_t available_cores() {
 // and advances one word, so it can only succeed on a phase still open, whose function and data
 // are set (read from a field beside an exhausted ticket, a new phase's larger count let a
 // helper claim a batch past the old phase's end while the driver was writing the new phase's
-// fields, and run it on a mix of the two: found by QA, session 36).
+// fields, and run it on a mix of the two: found by QA, session 36). An exception from an item,
+// on either thread, ends that batch; the phase's other batches run, and the driver's run()
+// rethrows it once all are done.
 class WorkRegion {
  public:
   static constexpr int64_t kRegionIdleNs = 200000;
@@ -422,6 +426,10 @@ class WorkRegion {
     while (claim()) {
     }
     while (done_.load(std::memory_order_acquire) < batches) pause();
+    if (failed_.load(std::memory_order_acquire)) {   // an item threw (either thread): the driver's to throw
+      failed_.store(false, std::memory_order_relaxed);
+      std::rethrow_exception(std::exchange(error_, nullptr));
+    }
   }
   // helper: runs what it claims until the driver is done or nothing comes for kRegionIdleNs
   void help() {
@@ -464,7 +472,11 @@ class WorkRegion {
       // the fields read above are t's phase's if the ticket is still t: they change only after
       // all of its batches are claimed and done, which moves the ticket past t
       if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-        for (size_t i = total * b / n; i < total * (b + 1) / n; ++i) fn(user, i);
+        try {
+          for (size_t i = total * b / n; i < total * (b + 1) / n; ++i) fn(user, i);
+        } catch (...) {   // kept for the driver's run(); the phase's other batches still run
+          if (!failed_.exchange(true, std::memory_order_acq_rel)) error_ = std::current_exception();
+        }
         done_.fetch_add(1, std::memory_order_release);
         return true;
       }
@@ -474,7 +486,8 @@ class WorkRegion {
   std::atomic<void (*)(void*, size_t)> fn_{nullptr};
   std::atomic<void*> user_{nullptr};
   std::atomic<size_t> total_{0}, done_{0};
-  std::atomic<bool> finished_{false};
+  std::atomic<bool> finished_{false}, failed_{false};
+  std::exception_ptr error_;   // the phase's first exception (written before its batch is done)
   uint32_t phase_ = 0;   // the driver's
 };
 
