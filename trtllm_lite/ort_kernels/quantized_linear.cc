@@ -394,9 +394,10 @@ inline void add_block_sums(const Step& st, const Packed& w, const uint8_t* p, in
 // prefetcher alone keeps too few lines in flight there; into L1: no better, non-temporal: half
 // the speed). 4-bit chunks: five logic ops and eight vpdpbusd per row of x per 128 weights, and
 // the codes' sums added up as bytes, one vpdpbusd per 8 chunks (a vpdpbusd per chunk: SmolLM2's
-// 120 layer linears 1.03x slower on one core, 1.01-1.02x on two, 2-core Zen 4 VM: the loop is
-// bound by the two ports that run vpdpbusd and the float multiply-adds, ~14 a chunk with the
-// block's share of add_block_sums); 8-bit (signed bytes): one vpdpbusd for the sums and four
+// 120 layer linears 1.03x slower on one core, 1.01-1.02x on two, 2-core Zen 4 VM: on one core
+// the loop is bound by the two ports that run vpdpbusd and the float multiply-adds, ~14 a chunk
+// with the block's share of add_block_sums; in a two-thread batch-1 step on the shared bus, half
+// the vpdpbusd gave only 1.045x); 8-bit (signed bytes): one vpdpbusd for the sums and four
 // per row per 64 weights. The rows share each chunk's load and unpacking, and each row's sums
 // are the one-row loop's, bit for bit.
 template <bool HALF, int BITS, int ROWS>
