@@ -606,7 +606,7 @@ def test_bad_json_is_400(server):
                    timeout=30, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"] == "the body is not valid UTF-16: byte 16: truncated data"
     for body, reason in ((b'{"max_tokens": ' + b"9" * 5000 + b"}", "integer string conversion"),
-                         (b"[" * 100_000, "recursion")):   # (QA 22: FastAPI's generic 400 before)
+                         (b"[" * 100_000, "nest too deeply")):   # (QA 22: FastAPI's generic 400 before)
         r = httpx.post(f"http://{server.http}/v1/completions", content=body, timeout=30,
                        headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("the body could not be read as JSON")

@@ -297,7 +297,9 @@ class OpenAIServer:
                 # (the encoding Python's reader took: UTF-8, or UTF-16/32 from a byte order mark)
                 encoding = e.encoding.upper().removesuffix("-LE").removesuffix("-BE")
                 message = f"the body is not valid {encoding}: byte {e.start}: {e.reason}"
-            except (ValueError, RecursionError) as e:
+            except RecursionError:   # (Python's own message names its interpreter, not the body)
+                message = "the body could not be read as JSON: its arrays and objects nest too deeply"
+            except ValueError as e:
                 message = f"the body could not be read as JSON: {str(e)[:200]}"
         return JSONResponse(oa.error_body(exc.status_code, message), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
