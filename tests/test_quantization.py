@@ -68,27 +68,8 @@ def run_linear(q, x, accuracy_level=0, library=False):
     graphs' form (``ort_ops``), a 4-bit weight as one ``QuantizedLinear`` node, with the
     kernel library at that path registered (``None``: its function body runs); returns the
     output and the op types that ran."""
-    from builder.fused_ops import make_offsets_function, make_quantized_linear_functions
-    from builder.paged_attention import DOMAIN
-
     ort_ops = library is not False
-    config = ModelConfig("LlamaForCausalLM", "llama", 1, q.k, 1, 1, q.k, 1, 1, 1)
-    store = WeightStore()
-    for part in ("qweight", "scales", "zero_points", "offsets"):
-        if getattr(q, part) is not None:
-            store.add(f"x.weight.{part}", getattr(q, part))
-    writer = DecoderGraphWriter(config, store, 1, "decode", {"x.weight": q}, accuracy_level, ort_ops=ort_ops)
-    writer.linear("a", "x", outputs=["y"])
-    inits = [helper.make_tensor(n, {np.uint8: TensorProto.UINT8, np.float32: TensorProto.FLOAT}[
-        store.arrays[n].dtype.type], store.arrays[n].shape, store.arrays[n].tobytes(), raw=True)
-        for n in writer.used]
-    graph = helper.make_graph(writer.w.nodes, "linear",
-                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["T", q.k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", q.n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid("com.microsoft", 1),
-                                                    helper.make_opsetid(DOMAIN, 1)],
-                              functions=make_quantized_linear_functions() + [make_offsets_function()])
+    model = linear_model(q, accuracy_level, ort_ops)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1 if not ort_ops else 2
     if ort_ops:
@@ -106,6 +87,32 @@ def run_linear(q, x, accuracy_level=0, library=False):
         ran = {e["args"].get("op_name") for e in json.load(f) if e.get("cat") == "Node"}
     os.remove(path)
     return y[0], ran
+
+
+def linear_model(q, accuracy_level=0, ort_ops=True):
+    """The ONNX model of the exporter's own ``linear`` for ``q``: input ``a`` [T, K], output
+    ``y`` [T, N] float32 (``ort_ops``: the kernels' graph form, one ``QuantizedLinear`` node)."""
+    from builder.fused_ops import make_offsets_function, make_quantized_linear_functions
+    from builder.paged_attention import DOMAIN
+
+    config = ModelConfig("LlamaForCausalLM", "llama", 1, q.k, 1, 1, q.k, 1, 1, 1)
+    store = WeightStore()
+    for part in ("qweight", "scales", "zero_points", "offsets"):
+        if getattr(q, part) is not None:
+            store.add(f"x.weight.{part}", getattr(q, part))
+    writer = DecoderGraphWriter(config, store, 1, "decode", {"x.weight": q}, accuracy_level, ort_ops=ort_ops)
+    writer.linear("a", "x", outputs=["y"])
+    inits = [helper.make_tensor(n, {np.uint8: TensorProto.UINT8, np.float32: TensorProto.FLOAT}[
+        store.arrays[n].dtype.type], store.arrays[n].shape, store.arrays[n].tobytes(), raw=True)
+        for n in writer.used]
+    graph = helper.make_graph(writer.w.nodes, "linear",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["T", q.k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", q.n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid(DOMAIN, 1)],
+                              functions=make_quantized_linear_functions() + [make_offsets_function()])
+    return model
 
 
 CASES = [("gguf", "Q4_0"), ("gguf", "Q4_1"), ("gguf", "Q8_0"), ("split", "Q8_0"), ("split", 8, 64, False),
@@ -192,6 +199,43 @@ def test_quantized_linear_batch1_streams_cover_every_group(op_library, case, row
     expected = x.astype(np.float64) @ q.dequantize().astype(np.float64).T
     got, _ = run_linear(q, x, library=op_library)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("case", [(4, 32, False), ("split", 8, 32, False)], ids=["int4", "split8"])
+def test_quantized_linear_batch1_sessions_at_once_keep_their_own_x(kernel_library, case):
+    """Each thread makes x's integer forms for its work items in buffers of its own, once a pass
+    over the weights (own_x_step). Two sessions of two weights, each called from two Python
+    threads at once for 1-6 rows (6: passes of 4 and 2) on x that changes every call, 60 calls
+    each: every output equals that session's output for that x alone, bit for bit (a thread that
+    kept another pass's planes, or another session's, would give another x's product)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    rng = np.random.default_rng(21)
+    sessions, xs, alone = [], [], []
+    for n, k in ((16 * 45 + 7, 256), (16 * 30, 384)):
+        w = random_weight(n, k=k)
+        q = quantize_weight(w, *case[1:]) if case[0] == "split" else quantize_weight(w, *case)
+        q = split_8bit(q) if case[0] == "split" else q
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 2
+        so.register_custom_ops_library(kernel_library)
+        sess = ort.InferenceSession(linear_model(q).SerializeToString(), so, providers=["CPUExecutionProvider"])
+        x = [rng.standard_normal((1 + i % 6, q.k)).astype(np.float32) for i in range(12)]
+        sessions.append(sess)
+        xs.append(x)
+        alone.append([sess.run(None, {"a": xi})[0] for xi in x])
+    start = threading.Barrier(4)
+
+    def calls(s: int, offset: int) -> int:
+        start.wait()
+        for i in range(60):
+            j = (i + offset) % len(xs[s])
+            np.testing.assert_array_equal(sessions[s].run(None, {"a": xs[s][j]})[0], alone[s][j])
+        return 60
+
+    with ThreadPoolExecutor(4) as pool:
+        done = [pool.submit(calls, s, offset) for s in (0, 1) for offset in (0, 5)]
+        assert sum(f.result() for f in done) == 240
 
 
 @pytest.mark.parametrize("rows", [1, 3])
