@@ -987,11 +987,11 @@ uint64_t next_pass() {
 // st.rows rows from st.x (VNNI: integer_planes' planes, means, factors and sums; AVX2:
 // x_pairs_avx2's pairs and terms) in buffers of this thread's own, made once a pass (st.call)
 // however many of its items the thread runs. Each thread makes them from x rather than reading
-// one made by the node's caller: the buffers stay in the core's own cache from one linear to the
-// next, where one thread's, read by the other's loop every linear, had to be taken back from the
-// other core before each write (SmolLM2 int4 batch 1, 2-core Zen 4 VM: 1.6 us to make a
-// 576-wide x's planes in the step, 0.47 us into buffers only this core touches; the step
-// 1.06x, 1.07-1.09x at 4-8 sequences), and the threads make them at once, not one before all.
+// ones made by the node's caller, which both threads' loops read every linear: made that way, a
+// 576-wide x's planes took 1.6 us in a SmolLM2 int4 batch-1 step (2-core Zen 4 VM), into
+// buffers that one core alone writes and reads each linear 0.47 us (docs/benchmarks.md,
+// session 38); and the threads make them at once, not one while the other waits. The step
+// 1.06x, 1.07-1.09x at 4-8 sequences.
 Step own_x_step(const Step& st) {
   thread_local uint64_t made_for = 0;
   const Packed& w = *st.w;
