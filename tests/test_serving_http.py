@@ -544,6 +544,21 @@ def test_chat_max_completion_tokens_error_names_it(server, value):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
 
 
+@pytest.mark.parametrize("tool_choice, status", [
+    ("required", 400), ({"type": "function", "function": {"name": "get_weather"}}, 400), ("any", 400),
+    ("none", 200), ("auto", 200), (None, 200)])
+def test_chat_tool_choice_that_asks_for_a_tool_call_is_400_naming_it(server, tool_choice, status):
+    """This server has no tool calling (``tools`` is a 400): a ``tool_choice`` that demands a
+    tool call ("required", a named function) is a 400 naming ``tool_choice``, as vLLM answers it
+    without tools, where it was ignored and text came back; "none" and "auto" give text."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "tool_choice": tool_choice}
+    r = httpx.post(f"http://{server.http}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == "tool_choice", r.text
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": -1, "max_completion_tokens": 5}, "max_tokens"),
     ({"max_tokens": 0, "max_completion_tokens": 5}, "max_tokens"),

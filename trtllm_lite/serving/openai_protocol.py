@@ -166,6 +166,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list | None = None
+    tool_choice: str | dict | None = None
     response_format: dict | None = None
 
     def sampling_values(self, room: int) -> dict[str, Any]:
@@ -179,6 +180,9 @@ class ChatCompletionRequest(_Sampling):
         """
         if self.tools:
             raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none", "auto"):   # a tool call asked for: none can come
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools, which are not supported "
+                             f"(only 'none' or 'auto', which give text)")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("response_format: only {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
