@@ -122,6 +122,58 @@ def test_a_step_of_decodes_and_prompts_is_one_call_with_the_kernels(tiny_model, 
         np.testing.assert_allclose(row, hf_logits(hf, s.token_ids)[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("prepacking", [True, False], ids=["one-session", "decode-graph"])
+def test_decode_steps_through_kept_bindings_match_the_general_path_bit_for_bit(tiny_model, prepacking):
+    """Decode-only calls run through inputs kept bound between steps (DecodeBinding): two
+    runners on one engine, one of them without, take the same calls, and their logits are the
+    same bits, while the call's sequences change in number, a block table outgrows the bound
+    width, and a call with a prompt (the general path, which rebinds its own) comes between;
+    the HF reference holds throughout."""
+    from trtllm_lite.ort_kernels import library_path
+    from trtllm_lite.runners.onnxruntime_runner import DecodeBinding
+
+    if library_path() is None:
+        pytest.skip("trtllm-lite's kernels do not build here (no C++ compiler)")
+    hf, engine_dir = tiny_model("llama-gqa")    # block size 4
+    engine = load_engine_dir(engine_dir, verify_checksums=False)
+    runners = [OnnxRuntimeRunner(engine, 128, options=OrtOptions(enable_prepacking=prepacking)) for _ in range(2)]
+    assert all(runners[0]._decode_bindings.values()) and runners[0]._decode_bindings
+    runners[1]._decode_bindings = {}
+    width = DecodeBinding.BLOCK_TABLE_WIDTH_STEP
+    rng = np.random.default_rng(5)
+    lengths = (5, 4 * width - 3, 30)   # the second outgrows the first bound width in its third step
+    tables = [list(range(40 * i + 39, 40 * i - 1, -1)) for i in range(3)]   # 40 blocks each, descending
+
+    def blocks(i, tokens):           # sequence i's table for its tokens (block size 4)
+        return tables[i][:-(-tokens // 4)]
+
+    seqs = [[ScheduledSeq(rng.integers(0, 256, n).tolist(), blocks(i, n), 0, n) for i, n in enumerate(lengths)]]
+    seqs.append([ScheduledSeq(list(s.token_ids), list(s.block_table), 0, s.num_new_tokens) for s in seqs[0]])
+
+    def step(pick, prefill=()):
+        out = [r.execute(StepBatch(decode=[s[i] for i in pick], prefill=[s[i] for i in prefill]))
+               for r, s in zip(runners, seqs)]
+        assert np.array_equal(out[0], out[1])
+        for k, i in enumerate(list(pick) + list(prefill)):
+            np.testing.assert_allclose(out[0][k], hf_logits(hf, seqs[0][i].token_ids)[-1], atol=1e-4, rtol=1e-4)
+            token = int(out[0][k].argmax())
+            for s in seqs:
+                s[i].token_ids.append(token)
+                s[i].start, s[i].num_new_tokens = len(s[i].token_ids) - 1, 1
+                s[i].block_table = blocks(i, len(s[i].token_ids))
+
+    step((), prefill=(0, 1))
+    for _ in range(4):
+        step((0, 1))
+    kind = "prefill" if prepacking else "decode"    # the graph decode steps run through
+    assert runners[0]._decode_bindings[kind].shape == (2, 2 * width)
+    step((1,))                       # fewer sequences
+    step((0, 1))
+    step((0, 1), prefill=(2,))       # a prompt: the general path, which binds its own arrays
+    step((0, 1))                     # the shape bound before it
+    step((2, 0, 1))
+    step((2, 1))
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_ids_match_hf_generate(tiny_model, kind):
     hf, engine_dir = tiny_model(kind)
