@@ -14,11 +14,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default 1: all tokens)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: all)")
+    p.add_argument("--seed", type=int, default=None, help="the request's sampling seed (default: none)")
     p.add_argument("--stats", action="store_true",
                    help="print TTFT, end-to-end time, decode speed (tokens after the first over the time "
                         "after it), the finish reason and the engine's step count to stderr")
