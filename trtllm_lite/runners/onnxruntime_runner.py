@@ -283,7 +283,7 @@ class DecodeBinding:
     """A decode-only call's inputs, kept bound to a session's IOBinding between steps (vLLM
     v1's persistent batch, for ONNX Runtime's IOBinding): a step writes its tokens,
     positions, slots and block tables into the bound arrays in place, where the general path
-    makes and binds seven new input OrtValues each call, and binds a new numpy array as the
+    makes and binds six or seven new input OrtValues each call, and binds a new numpy array as the
     logits output, which ONNX Runtime fills where it would allocate one and the Python API
     copy it out (SmolLM2 int4 batch 1 on the 2-core Zen 4 VM: steps 1.024-1.045x).
 
@@ -295,6 +295,12 @@ class DecodeBinding:
     Arrays (all int64): input_ids, positions, slot_mapping, context_lens ``[S]``;
     block_tables ``[S, width]``; query_start_loc ``[S + 1]`` and logits_indices ``[S]`` (the
     constants ``arange``).
+
+    Args:
+        binding: the session's IOBinding, whose KV pool inputs are already bound.
+        vocab_size: the logits' width.
+        with_logits_indices: the graph takes ``logits_indices`` (the prefill graph, which runs
+            decode steps when it is the only session).
     """
 
     BLOCK_TABLE_WIDTH_STEP = 16
