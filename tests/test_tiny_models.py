@@ -166,7 +166,7 @@ def test_decode_steps_through_kept_bindings_match_the_general_path_bit_for_bit(t
     for _ in range(4):
         step((0, 1))
     kind = "prefill" if prepacking else "decode"    # the graph decode steps run through
-    assert runners[0]._decode_bindings[kind].shape == (2, 2 * width)
+    assert runners[0]._decode_bindings[kind].inputs.block_tables.shape == (2, 2 * width)
     step((1,))                       # fewer sequences
     step((0, 1))
     step((0, 1), prefill=(2,))       # a prompt: the general path, which binds its own arrays

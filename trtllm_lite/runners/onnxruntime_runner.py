@@ -32,7 +32,8 @@ from .. import ort_kernels
 from . import w8a8_uint8
 from ..engine_dir import EngineDir, clip_to_float16_range
 from ..core.host_memory import KV_POOL_TOO_LARGE, available_memory_bytes, prefault
-from .base import ScheduledSeq, StepBatch, StepInputs, build_step_inputs, group_by_query_length
+from .base import (ScheduledSeq, StepBatch, StepInputs, build_step_inputs, decode_step_inputs,
+                   group_by_query_length, write_decode_step_inputs)
 
 _INPUT_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
                  "query_start_loc")
@@ -282,19 +283,17 @@ def uses_uint8_weights(engine: EngineDir, options: OrtOptions) -> bool:
 class DecodeBinding:
     """A decode-only call's inputs, kept bound to a session's IOBinding between steps (vLLM
     v1's persistent batch, for ONNX Runtime's IOBinding): a step writes its tokens,
-    positions, slots and block tables into the bound arrays in place, where the general path
-    makes and binds six or seven new input OrtValues each call, and binds a new numpy array as the
-    logits output, which ONNX Runtime fills where it would allocate one and the Python API
-    copy it out (SmolLM2 int4 batch 1 on the 2-core Zen 4 VM: steps 1.024-1.045x).
+    positions, slots and block tables into the bound arrays in place
+    (:func:`write_decode_step_inputs`), where the general path makes and binds six or seven
+    new input OrtValues each call, and binds a new numpy array as the logits output, which
+    ONNX Runtime fills where it would allocate one and the Python API copy it out (SmolLM2
+    int4 batch 1 on the 2-core Zen 4 VM: steps 1.024-1.045x).
 
-    The inputs are bound again only when the call's shape changes: its number of sequences
-    ``S``, or a block table outgrowing the bound width (kept a multiple of
-    :data:`BLOCK_TABLE_WIDTH_STEP` blocks; the kernels read a row only as far as its
-    context), or after the general path bound its own (:meth:`invalidate`).
-
-    Arrays (all int64): input_ids, positions, slot_mapping, context_lens ``[S]``;
-    block_tables ``[S, width]``; query_start_loc ``[S + 1]`` and logits_indices ``[S]`` (the
-    constants ``arange``).
+    The inputs (:attr:`inputs`, a :class:`StepInputs` of :func:`decode_step_inputs`) are bound
+    again only when the call's shape changes: its number of sequences ``S``, or a block table
+    outgrowing the bound width (kept a multiple of :data:`BLOCK_TABLE_WIDTH_STEP` blocks; the
+    kernels read a row only as far as its context), or after the general path bound its own
+    (:meth:`invalidate`).
 
     Args:
         binding: the session's IOBinding, whose KV pool inputs are already bound.
@@ -307,44 +306,31 @@ class DecodeBinding:
 
     def __init__(self, binding: ort.IOBinding, vocab_size: int, with_logits_indices: bool):
         self.binding, self.vocab_size, self.with_logits_indices = binding, vocab_size, with_logits_indices
-        self.shape: tuple[int, int] | None = None   # (S, width) bound; None: the general path rebound
+        self.inputs: StepInputs | None = None       # the bound arrays; None: bind at the next call
         self._values: list[ort.OrtValue] = []       # the bound inputs (OrtValues sharing the arrays' memory)
         self._logits: ort.OrtValue | None = None    # the bound output
 
     def invalidate(self) -> None:
         """The general path bound its own inputs and output here: rebind at the next call."""
-        self.shape = None
+        self.inputs = None
 
     def _bind(self, num_seqs: int, width: int) -> None:
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens = (
-            np.zeros(num_seqs, np.int64) for _ in range(4))
-        self.block_tables = np.zeros((num_seqs, width), np.int64)
-        self.query_start_loc = np.arange(num_seqs + 1, dtype=np.int64)
-        self.logits_indices = self.query_start_loc[:num_seqs].copy()
+        self.inputs = decode_step_inputs(num_seqs, width)
         names = _INPUT_FIELDS + (("logits_indices",) if self.with_logits_indices else ())
-        self._values = []
-        for name in names:
-            value = ort.OrtValue.ortvalue_from_numpy(getattr(self, name))
+        self._values = [ort.OrtValue.ortvalue_from_numpy(getattr(self.inputs, name)) for name in names]
+        for name, value in zip(names, self._values):
             self.binding.bind_ortvalue_input(name, value)
-            self._values.append(value)
-        self.shape = (num_seqs, width)
 
     def prepare(self, seqs: list[ScheduledSeq], block_size: int) -> np.ndarray:
         """Write a decode-only call's inputs (each sequence one new token, one logits row) into
         the bound arrays and bind a new logits array; return it, ``[S, vocab]`` float32, which
         the session's next ``run_with_iobinding`` on this binding fills in ``seqs``' order."""
         longest = max(len(s.block_table) for s in seqs)
-        if self.shape is None or self.shape[0] != len(seqs) or self.shape[1] < longest:
+        if self.inputs is None or self.inputs.block_tables.shape[0] != len(seqs) or \
+                self.inputs.block_tables.shape[1] < longest:
             step = self.BLOCK_TABLE_WIDTH_STEP
             self._bind(len(seqs), -(-longest // step) * step)
-        ids, positions, slots, tables = self.input_ids, self.positions, self.slot_mapping, self.block_tables
-        for i, s in enumerate(seqs):
-            p, table = s.start, s.block_table
-            ids[i] = s.token_ids[p]
-            positions[i] = p
-            slots[i] = table[p // block_size] * block_size + p % block_size
-            tables[i, :len(table)] = table
-        self.context_lens[:] = positions
+        write_decode_step_inputs(seqs, block_size, self.inputs)
         logits = np.empty((len(seqs), self.vocab_size), np.float32)   # a new array every step, as ONNX Runtime's
         self._logits = ort.OrtValue.ortvalue_from_numpy(logits)
         self.binding.bind_ortvalue_output("logits", self._logits)
