@@ -111,20 +111,21 @@ def write_decode_step_inputs(seqs: list[ScheduledSeq], block_size: int, out: Ste
     is sequence i's) into ``out``'s arrays in place (:func:`decode_step_inputs` of
     ``len(seqs)`` sequences and a width of at least the longest block table). A table row's
     entries past the table are left as they are: attention reads a row only as far as the
-    sequence's context."""
-    n = len(seqs)
-    positions = out.positions
-    positions[:] = np.fromiter((s.start for s in seqs), np.int64, n)
+    sequence's context. One pass over the sequences, scalar writes: warm, 1.1 / 5.8 / 43 us at
+    1 / 8 / 64 sequences, against 6.6 / 10.6 / 41 us through fromiter and fancy indexing."""
+    ids, positions, slots, tables = out.input_ids, out.positions, out.slot_mapping, out.block_tables
     for i, s in enumerate(seqs):
-        out.block_tables[i, :len(s.block_table)] = s.block_table
-    out.slot_mapping[:] = out.block_tables[np.arange(n), positions // block_size] * block_size + positions % block_size
-    out.input_ids[:] = np.fromiter((s.token_ids[s.start] for s in seqs), np.int64, n)
+        p, table = s.start, s.block_table
+        ids[i] = s.token_ids[p]
+        positions[i] = p
+        slots[i] = table[p // block_size] * block_size + p % block_size
+        tables[i, :len(table)] = table
     out.context_lens[:] = positions
 
 
 def _decode_step_inputs(seqs: list[ScheduledSeq], block_size: int) -> StepInputs:
     """build_step_inputs for a step of decodes only (one new token and its logits each), in
-    fewer numpy calls (batch 1, warm: 18.6 -> 6.9 us a call)."""
+    fewer numpy calls than the general packing."""
     inputs = decode_step_inputs(len(seqs), max(len(s.block_table) for s in seqs))
     write_decode_step_inputs(seqs, block_size, inputs)
     return inputs
