@@ -16,6 +16,7 @@ _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Te
 
 
 def onnx_dtype(dtype) -> int:
+    """The ONNX ``TensorProto`` element type of a numpy dtype. KeyError for others."""
     return _NP_TO_ONNX[np.dtype(dtype)]
 
 

@@ -256,6 +256,8 @@ class AsyncLLM:
 
     @classmethod
     def from_engine(cls, engine: LLMEngine, **options) -> "AsyncLLM":
+        """An AsyncLLM over an :class:`LLMEngine` already made (its engine thread takes the
+        engine over: do not step it elsewhere); ``options`` as the constructor's."""
         return cls(engine=engine, **options)
 
     async def tokenizing(self, fn, *args, size: int, admission: Admission | None = None,
@@ -315,6 +317,7 @@ class AsyncLLM:
 
     @property
     def tokenizer(self):
+        """The engine's :class:`~trtllm_lite.tokenizer.Tokenizer` (from its engine directory)."""
         return self.engine.tokenizer
 
     @property
@@ -324,6 +327,8 @@ class AsyncLLM:
 
     @property
     def dead(self) -> bool:
+        """True once the engine thread has stopped on an error or exited (every stream then
+        ends in :class:`EngineDeadError`)."""
         return self._error is not None or not self._thread.is_alive()
 
     # -- public API -----------------------------------------------------------------------
@@ -428,6 +433,8 @@ class AsyncLLM:
         return found
 
     def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` has an open stream (submitted and not yet finished, aborted
+        or failed)."""
         return request_id in self._streams
 
     def num_in_flight(self) -> int:

@@ -24,6 +24,7 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The engine's :class:`~trtllm_lite.tokenizer.Tokenizer` (from its engine directory)."""
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

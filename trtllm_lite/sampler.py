@@ -48,6 +48,8 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax of ``[N, V]`` float32, stable (log-sum-exp shifted by the row's
+    peak); -inf entries stay -inf."""
     m = x.max(axis=-1, keepdims=True)
     with np.errstate(over="ignore"):   # far below the peak: -inf
         return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
@@ -61,6 +63,8 @@ def modifies_logits(row: SamplingRow) -> bool:
 
 
 def apply_logit_bias(x: np.ndarray, rows: list[SamplingRow]) -> None:
+    """Add each row's ``logit_bias`` (token id -> bias, OpenAI's definition) to its row of
+    ``x [N, V]`` float32. In place."""
     for r, row in enumerate(rows):
         if row.params.logit_bias:
             ids = np.fromiter(row.params.logit_bias.keys(), np.int64)
@@ -68,6 +72,8 @@ def apply_logit_bias(x: np.ndarray, rows: list[SamplingRow]) -> None:
 
 
 def apply_min_tokens(x: np.ndarray, rows: list[SamplingRow]) -> None:
+    """Forbid (-inf) the stop token ids of rows whose output is shorter than ``min_tokens``,
+    in ``x [N, V]`` float32. In place."""
     for r, row in enumerate(rows):
         if row.stop_ids and len(row.output_token_ids) < row.params.min_tokens:
             x[r, list(row.stop_ids)] = -np.inf
@@ -159,6 +165,9 @@ def apply_top_p(probs: np.ndarray, p: np.ndarray) -> None:
 
 
 def apply_min_p(probs: np.ndarray, min_p: np.ndarray) -> None:
+    """Min-p filtering (Nguyen et al. 2024, "Turning Up the Heat"): in ``probs [N, V]``
+    float32, zero the tokens below ``min_p [N]`` times the row's largest probability and
+    renormalize; rows with ``min_p`` 0 are untouched. In place."""
     rows = np.nonzero(min_p > 0)[0]
     if len(rows):
         sub = probs[rows]

@@ -20,10 +20,15 @@ from .sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
     return -(-num_tokens // block_size)
 
 
 def hash_block(parent: bytes, token_ids: list[int], salt: str | None) -> bytes:
+    """A full block's prefix-cache key (32 bytes, SHA-256): the parent block's key, then the
+    block's token ids as int64, then ``cache_salt`` when given, so a key names the whole
+    prefix up to and including this block (vLLM's automatic prefix caching; the salt keeps
+    tenants' caches apart)."""
     h = hashlib.sha256(parent)
     h.update(np.asarray(token_ids, np.int64).tobytes())
     if salt:

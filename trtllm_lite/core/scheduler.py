@@ -45,6 +45,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """Picks each step's work (vLLM v1's unified scheduler, one token budget for prompts and
+    decodes). Running sequences first: decodes (one token, plus any draft tokens to verify),
+    then prompts still being prefilled, each in arrival order, a prompt chunked to what is left
+    of ``max_num_batched_tokens`` (chunked prefill). When a running sequence needs a block and
+    the pool has none, the latest-arrived running sequence not yet scheduled this step gives
+    its blocks back and waits again at the front of the queue, to be recomputed (preemption by
+    recompute, vLLM's default). Then waiting sequences are admitted, each reusing its longest
+    cached prefix, while the budget, ``max_num_seqs`` and the pool allow (none in a step that
+    preempted).
+
+    Args:
+        config: the step limits (:class:`SchedulerConfig`).
+        kv: the block tables and pool (:class:`KVCacheManager`).
+    """
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv

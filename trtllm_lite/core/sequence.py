@@ -11,6 +11,9 @@ from ..sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence is: waiting (queued, or preempted and to be recomputed), running
+    (holds KV blocks and is scheduled each step) or finished."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

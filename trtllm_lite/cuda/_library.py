@@ -124,6 +124,8 @@ def build_info() -> str:
 
 
 def error_string(code: int) -> str:
+    """The message for a ``tl_*`` return code: the library's own codes (negative: bad dtype,
+    head_dim, block_size, ...), else CUDA's (cudaGetErrorString)."""
     lib = load_library(require_device=False)
     return lib.tl_error_string(code).decode()
 

@@ -57,6 +57,11 @@ class DeviceBuffer:
 
 
 def synchronize() -> None:
+    """Wait for all device work (cudaDeviceSynchronize).
+
+    Raises:
+        CudaKernelError: a CUDA error.
+    """
     check(load_library().tl_synchronize(), "cudaDeviceSynchronize")
 
 
@@ -68,6 +73,7 @@ def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32, exactly."""
     return (np.asarray(bits, np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
@@ -88,4 +94,6 @@ def from_device_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def storage_dtype(dtype: str) -> type:
+    """The numpy dtype that holds ``dtype`` (``float16`` or ``bfloat16``) on the device:
+    float16, or uint16 bits for bfloat16."""
     return np.float16 if dtype == "float16" else np.uint16

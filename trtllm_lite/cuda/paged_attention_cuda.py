@@ -49,6 +49,8 @@ def decode_workspace_size(num_seqs: int, num_heads: int, num_kv_heads: int, head
 
 def decode_num_splits(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                       max_seq_len: int) -> int:
+    """Splits of each sequence's context the decode kernel makes (flash-decoding; 1: no
+    split), as the library picks them for this shape."""
     return int(load_library().tl_decode_num_splits(num_seqs, num_heads, num_kv_heads, head_dim,
                                                    max_seq_len))
 

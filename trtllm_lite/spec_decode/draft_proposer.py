@@ -28,6 +28,7 @@ class DraftState:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token id lists."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
