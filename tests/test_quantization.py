@@ -184,13 +184,15 @@ def test_quantized_linear_two_to_eight_rows_equal_each_row_alone_with_vnni(tmp_p
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6])
-@pytest.mark.parametrize("case", [(4, 32, False), ("split", 8, 32, False)], ids=["int4", "split8"])
+@pytest.mark.parametrize("case", [(4, 32, False), ("split", 8, 32, False), ("split", 8, 32, True)],
+                         ids=["int4", "split8", "split8-symmetric"])
 def test_quantized_linear_batch1_streams_cover_every_group(op_library, case, rows):
     """Batch 1 (and the few rows that take its loop with VNNI: 3, and 6 as passes of 4 and 2)
     over a weight large enough to be shared by the threads (46 16-row groups, the last
     partial; > 64 KiB): each thread reads its contiguous range of groups as several interleaved
     streams (gemv_groups_vnni), parts of unequal length; every output row must still be
-    x @ dequant(W)^T (float64)."""
+    x @ dequant(W)^T (float64). Symmetric int8 (zero point 128): every offset is 0, and the
+    kernel's blocks store none, so a block's stride is shorter."""
     n, k = 16 * 45 + 7, 256
     w = random_weight(n, k=k)
     q = quantize_weight(w, *case[1:]) if case[0] == "split" else quantize_weight(w, *case)

@@ -135,7 +135,7 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
     ``streamed``: for an engine built at accuracy level 0, whose 4-bit weights the
     ``QuantizedLinear`` kernel reads in its own layout, count that layout (per 16 rows and
     block: the codes, then 16 scales and 16 offsets, float16 for GGUF weights, float32
-    otherwise; a split 8-bit weight recombined into 8-bit codes:
+    otherwise, no offsets where all are 0; a split 8-bit weight recombined into 8-bit codes:
     ``trtllm_lite/ort_kernels/quantized_linear.cc``), not the engine's tensors (float32 scales
     and offsets, zero points). Otherwise the engine's tensors.
     """
@@ -155,9 +155,14 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
             if part == "qweight":   # 4-bit codes: a QuantizedLinear node (8-bit ones stay MatMulNBits)
                 n, nb, code_bytes = t["shape"]
                 scale_bytes = 2 if sources[weight].startswith("gguf:") else 4
+                scale_planes = 2   # 16 scales, then 16 offsets
                 if sources[weight].endswith("+split"):   # recombined: 8-bit codes over half the blocks
                     nb, code_bytes = nb // 2, 2 * code_bytes
-                total += -(-n // 16) * 16 * nb * (code_bytes + 2 * scale_bytes)
+                    # zero point 128 (GGUF Q8_0, symmetric int8): every offset 0, none stored
+                    if sources[weight].startswith("gguf:Q8_0") or (
+                            not sources[weight].startswith("gguf:") and manifest["build"].get("quant_symmetric")):
+                        scale_planes = 1
+                total += -(-n // 16) * 16 * nb * (code_bytes + scale_planes * scale_bytes)
             continue
         total += t["nbytes"]
     return total

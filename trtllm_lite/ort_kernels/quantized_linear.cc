@@ -34,6 +34,10 @@
 //   per 32 weights where the halves took 40, and five vpdpbusd per 64 weights at batch 1 where
 //   the halves took 13 per 128 codes.
 //
+//   Where every folded offset of a node is 0 (an 8-bit weight with zero point 128: GGUF Q8_0,
+//   symmetric int8), its blocks store no offsets (Packed::offsets; the loops read 0): 34 bytes
+//   per 32 weights (SmolLM2 int4's Q8_0 lm_head: 31.9 -> 30.1 MB a decode step).
+//
 //   M = 1 (memory-bound), AVX-512 VNNI: x is centered per block (c = x - mean_b) and written
 //     as 32-bit integers C = round(c * 2^s_b) (s_b: the power of two that puts the block's
 //     largest |c| in [2^30, 2^31)), each as four unsigned bytes of C + 2^31. One vpdpbusd
@@ -174,12 +178,14 @@ struct Packed {
   int64_t n = 0, nb = 0, block_size = 0, groups = 0;
   int bits = 4;                      // 8: a split 8-bit weight, recombined (Kernel::pack_split)
   bool half = false;                 // scales and offsets stored as float16
+  bool offsets = true;               // false: every offset is 0 (Q8_0, symmetric int8) and none is stored
   SlabBytes data;
   int64_t columns() const { return bits == 4 ? 8 : 4; }           // columns per chunk (x 16 rows)
   int64_t chunks() const { return (block_size + columns() - 1) / columns(); }
   int64_t width() const { return chunks() * columns(); }          // a block's columns, padded
   int64_t code_bytes() const { return chunks() * kChunkBytes; }
-  int64_t block_bytes() const { return code_bytes() + 2 * kLanes * (half ? 2 : 4); }
+  int64_t scale_bytes() const { return kLanes * (half ? 2 : 4); }   // a block's 16 scales (or offsets)
+  int64_t block_bytes() const { return code_bytes() + (offsets ? 2 : 1) * scale_bytes(); }
   const uint8_t* block(int64_t group, int64_t b) const { return data.data() + (group * nb + b) * block_bytes(); }
 };
 
@@ -260,14 +266,16 @@ inline __m512 chunk_column(__m512i chunk, int i, __m512 table) {
 }
 inline __m512i load_chunk(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
+// A block's 16 scales and offsets, p: after its codes (offsets 0 where the layout stores none).
 template <bool HALF>
-inline void load_scale_offset(const uint8_t* p, __m512* scale, __m512* offset) {
+inline void load_scale_offset(const Packed& w, const uint8_t* p, __m512* scale, __m512* offset) {
   if (HALF) {
     *scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    *offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    *offset = w.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)))
+                        : _mm512_setzero_ps();
   } else {
     *scale = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
-    *offset = _mm512_loadu_ps(reinterpret_cast<const float*>(p) + 16);
+    *offset = w.offsets ? _mm512_loadu_ps(reinterpret_cast<const float*>(p) + 16) : _mm512_setzero_ps();
   }
 }
 
@@ -370,7 +378,7 @@ template <bool HALF>
 inline void add_block_sums(const Step& st, const Packed& w, const uint8_t* p, int64_t b, __m512i a0, __m512i a1,
                            __m512i a2, __m512i a3, __m512i q, __m512& acc, __m512& acc_means) {
   __m512 scale, offset;
-  load_scale_offset<HALF>(p + w.code_bytes(), &scale, &offset);
+  load_scale_offset<HALF>(w, p + w.code_bytes(), &scale, &offset);
   const __m512 codes_sum = _mm512_cvtepi32_ps(q);
   const __m512 top = _mm512_cvtepi32_ps(_mm512_sub_epi32(a3, _mm512_slli_epi32(q, 7)));   // C's bias removed
   const __m512 t = _mm512_fmadd_ps(
@@ -522,7 +530,7 @@ void gemv_group(const Step& st, int64_t group) {
       }
     }
     __m512 scale, offset;
-    load_scale_offset<HALF>(p + w.code_bytes(), &scale, &offset);
+    load_scale_offset<HALF>(w, p + w.code_bytes(), &scale, &offset);
     acc = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(t[0], t[1]), _mm512_add_ps(t[2], t[3])), scale, acc);
     const __m512 weight_sum = _mm512_fmadd_ps(scale, _mm512_add_ps(q[0], q[1]), _mm512_mul_ps(block_size, offset));
     acc_means = _mm512_fmadd_ps(weight_sum, _mm512_set1_ps(st.means[b]), acc_means);
@@ -542,7 +550,7 @@ void dequantize_panel(const Packed& w, int64_t group, float* panel) {
     for (int g = 0; g < GROUPS; ++g) {
       const uint8_t* p = w.block(group + g, b);
       __m512 scale, offset;
-      load_scale_offset<HALF>(p + w.code_bytes(), &scale, &offset);
+      load_scale_offset<HALF>(w, p + w.code_bytes(), &scale, &offset);
       for (int64_t j = 0; j < w.chunks(); ++j) {
         const __m512i v = load_chunk(p + j * kChunkBytes);
         const int columns = static_cast<int>(std::min<int64_t>(kColumns, w.block_size - kColumns * j));
@@ -625,13 +633,14 @@ inline __m256 column_codes_avx2(__m256i half_chunk, int i) {
 
 // Rows [8 half, 8 half + 8) of a block's 16 scales and offsets.
 template <bool HALF>
-inline void load_scale_offset_avx2(const uint8_t* p, int half, __m256* scale, __m256* offset) {
+inline void load_scale_offset_avx2(const Packed& w, const uint8_t* p, int half, __m256* scale, __m256* offset) {
   if (HALF) {
     *scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * half)));
-    *offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * half)));
+    *offset = w.offsets ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * half)))
+                        : _mm256_setzero_ps();
   } else {
     *scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * half);
-    *offset = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 16 + 8 * half);
+    *offset = w.offsets ? _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 16 + 8 * half) : _mm256_setzero_ps();
   }
 }
 
@@ -786,7 +795,7 @@ void gemv_group_pairs_avx2(const Step& st, int64_t group) {
         }
       }
       __m256 scale, offset;
-      load_scale_offset_avx2<HALF>(p + code_bytes, h, &scale, &offset);
+      load_scale_offset_avx2<HALF>(w, p + code_bytes, h, &scale, &offset);
       for (int r = 0; r < ROWS; ++r) {
         const double* terms = st.block_terms + r * 2 * w.nb + 2 * b;
         block_sum_pd<BITS>(a_lo[r], a_hi[r], scale, offset, _mm256_set1_pd(terms[1]), _mm256_set1_pd(terms[0]),
@@ -831,8 +840,8 @@ void gemv_group_pairs1_avx2(const Step& st, int64_t group) {
     const double* terms = st.block_terms + 2 * b;
     const __m256d power = _mm256_set1_pd(terms[0]), sum_c = _mm256_set1_pd(terms[1]);
     __m256 scale0, offset0, scale1, offset1;
-    load_scale_offset_avx2<HALF>(p + code_bytes, 0, &scale0, &offset0);
-    load_scale_offset_avx2<HALF>(p + code_bytes, 1, &scale1, &offset1);
+    load_scale_offset_avx2<HALF>(w, p + code_bytes, 0, &scale0, &offset0);
+    load_scale_offset_avx2<HALF>(w, p + code_bytes, 1, &scale1, &offset1);
     block_sum_pd<BITS>(lo0, hi0, scale0, offset0, sum_c, power, acc0);
     block_sum_pd<BITS>(lo1, hi1, scale1, offset1, sum_c, power, acc1);
   }
@@ -859,7 +868,7 @@ void dequantize_panel_avx2(const Packed& w, int64_t group, float* panel) {
     const uint8_t* p = w.block(group, b);
     for (int h = 0; h < 2; ++h) {
       __m256 scale, offset;
-      load_scale_offset_avx2<HALF>(p + w.code_bytes(), h, &scale, &offset);
+      load_scale_offset_avx2<HALF>(w, p + w.code_bytes(), h, &scale, &offset);
       for (int64_t j = 0; j < w.chunks(); ++j) {
         const __m256i v = load_half_chunk(p + j * kChunkBytes, h);
         const int columns = static_cast<int>(std::min<int64_t>(kColumns, w.block_size - kColumns * j));
@@ -941,7 +950,7 @@ float scale_at(const Packed& w, const uint8_t* p, int lane) {
 }
 
 float offset_at(const Packed& w, const uint8_t* p, int lane) {
-  return scale_at(w, p + kLanes * (w.half ? 2 : 4), lane);
+  return w.offsets ? scale_at(w, p + w.scale_bytes(), lane) : 0.0f;
 }
 
 [[maybe_unused]] void portable_rows(const Step& st, int64_t r0, int64_t rows, int64_t group) {
@@ -1102,6 +1111,7 @@ struct Kernel : KernelBase {
 };
 
 // Row `lane`'s scale and offset after a repacked block's codes (float16 where w.half).
+// (No offset is stored where the layout has none: w.offsets false, every offset 0.)
 void store_scale_offset(const Packed& w, uint8_t* block, int64_t lane, float scale, float offset) {
   uint8_t* s = block + w.code_bytes();
   if (w.half) {
@@ -1109,11 +1119,18 @@ void store_scale_offset(const Packed& w, uint8_t* block, int64_t lane, float sca
     float_to_half_exact(scale, &hs);
     float_to_half_exact(offset, &ho);
     std::memcpy(s + 2 * lane, &hs, 2);
-    std::memcpy(s + 2 * kLanes + 2 * lane, &ho, 2);
+    if (w.offsets) std::memcpy(s + 2 * kLanes + 2 * lane, &ho, 2);
   } else {
     std::memcpy(s + 4 * lane, &scale, 4);
-    std::memcpy(s + 4 * kLanes + 4 * lane, &offset, 4);
+    if (w.offsets) std::memcpy(s + 4 * kLanes + 4 * lane, &offset, 4);
   }
+}
+
+// Whether any folded offset is nonzero (else the layout stores none: Packed::offsets).
+bool any_offset(const std::vector<float>& offset) {
+  for (const float o : offset)
+    if (o != 0.0f) return true;
+  return false;
 }
 
 // The repacked layout (file comment) from MatMulNBits' tensors; offsets folded per block:
@@ -1141,6 +1158,7 @@ OrtStatus* Kernel::pack(const uint8_t* qweight, const float* scales, const uint8
     }
   if (split8) return pack_split(qweight, scale, offset);
   w.bits = 4;
+  w.offsets = any_offset(offset);
   if (!w.data.assign(static_cast<size_t>(w.groups * w.nb * w.block_bytes())))   // zeroed: code 0 past a block's end
     return error(ORT_FAIL, description() + ": out of memory for the repacked weights");
   const int64_t pairs = block_size / 2;
@@ -1184,6 +1202,7 @@ OrtStatus* Kernel::pack_split(const uint8_t* qweight, const std::vector<float>& 
       uint16_t h;
       w.half = w.half && float_to_half_exact(low, &h) && float_to_half_exact(offset8[row * nb + b], &h);
     }
+  w.offsets = any_offset(offset8);
   if (!w.data.assign(static_cast<size_t>(w.groups * w.nb * w.block_bytes())))
     return error(ORT_FAIL, description() + ": out of memory for the repacked weights");
   const int64_t pairs = block_size / 2;
