@@ -559,6 +559,90 @@ def test_chat_tool_choice_that_asks_for_a_tool_call_is_400_naming_it(server, too
         assert r.json()["error"]["param"] == "tool_choice", r.text
 
 
+@pytest.mark.parametrize("route, extra", [
+    ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
+    ("chat/completions", {"function_call": {"name": "f"}}),
+    ("chat/completions", {"guided_json": {"type": "object"}}),
+    ("chat/completions", {"guided_choice": ["yes", "no"]}),
+    ("completions", {"guided_regex": "[0-9]+"}),
+    ("completions", {"guided_grammar": "root ::= \"a\""}),
+    ("completions", {"structured_outputs": {"choice": ["a"]}}),
+    ("completions", {"response_format": {"type": "json_object"}}),
+])
+def test_fields_that_constrain_the_output_are_400_not_ignored(server, route, extra):
+    """Legacy function calling and vLLM's guided decoding would be obeyed by a peer; ignoring
+    them (200, unconstrained text, only a log line) answered as if they were: a 400 naming the
+    field, as ``tools`` is. ``function_call`` "none" / "auto" and a text ``response_format``
+    ask for nothing and are served."""
+    body = {"model": "smollm2", "max_tokens": 2, **extra,
+            **({"messages": MESSAGES} if route.startswith("chat") else {"prompt": PROMPT})}
+    r = httpx.post(f"http://{server.http}/v1/{route}", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
+    for ok in ({"function_call": "auto"}, {"response_format": {"type": "text"}}):
+        ok_body = {**body, **ok}
+        ok_body.pop(next(iter(extra)) if next(iter(extra)) not in ok else "", None)
+        assert httpx.post(f"http://{server.http}/v1/{route}", json=ok_body, timeout=60).status_code == 200
+
+
+def test_chat_text_parts_are_joined_by_newlines_as_vllm_does(server, smollm2_llm):
+    """A message's text parts are one text joined with "\n" (vLLM's string content format),
+    not glued together ("Hello" + "world" read as "Helloworld")."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    body = {"model": "smollm2", "messages": parts, "max_tokens": 1}
+    got = httpx.post(f"http://{server.http}/v1/chat/completions", json=body, timeout=60).json()
+    joined = smollm2_llm.tokenizer.encode(smollm2_llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello\nworld"}]), add_special_tokens=False)
+    assert got["usage"]["prompt_tokens"] == len(joined)
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_utf8_bytes(oai, smollm2_llm):
+    """OpenAI's ``bytes`` let a client join the tokens of one character: a byte-level token
+    that holds part of an emoji gives its own bytes (F0 9F), not U+FFFD's, and the bytes of all
+    tokens decode to the message."""
+    first = smollm2_llm.tokenizer.encode("\U0001F600", add_special_tokens=False)[0]
+    messages = [{"role": "user", "content": "Repeat exactly: \U0001F600"}]
+    r = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=1, temperature=0,
+                                    logprobs=True, top_logprobs=2, logit_bias={str(first): 100})
+    assert r.choices[0].logprobs.content[0].bytes == [0xF0, 0x9F]
+    r = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0, logprobs=True)
+    c = r.choices[0]
+    joined = bytes(b for t in c.logprobs.content for b in t.bytes)
+    assert joined.decode("utf-8", "ignore").removesuffix("<|im_end|>") == c.message.content
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(oai):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk
+    carries the usage so far, its completion tokens growing to the final count."""
+    chunks = list(oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                         stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 6
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+
+
+def test_echo_with_max_tokens_0_answers_the_prompt_alone_to_score_it(oai, server, smollm2_llm):
+    """``echo`` with ``max_tokens: 0`` (OpenAI's legacy API, vLLM): the prompt's text and its
+    logprobs (the first null), no completion tokens, streamed or not; the logprobs are those
+    that ``max_tokens: 1`` gives the prompt. ``max_tokens: 0`` without echo stays a 400."""
+    n = len(smollm2_llm.tokenizer.encode(PROMPT))
+    c = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    ch = c.choices[0]
+    assert ch.text == PROMPT and c.usage.completion_tokens == 0 and c.usage.prompt_tokens == n
+    assert len(ch.logprobs.tokens) == n and ch.logprobs.token_logprobs[0] is None
+    ref = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert ref.choices[0].logprobs.token_logprobs[:n] == ch.logprobs.token_logprobs
+    chunks = list(oai.completions.create(model="smollm2", prompt=[PROMPT, "Hello there"], max_tokens=0, echo=True,
+                                         stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for k in chunks:
+        for x in k.choices:
+            texts[x.index] = texts.get(x.index, "") + x.text
+    assert texts == {0: PROMPT, 1: "Hello there"} and chunks[-1].usage.completion_tokens == 0
+    r = httpx.post(f"http://{server.http}/v1/completions", json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 0},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"max_tokens": -1, "max_completion_tokens": 5}, "max_tokens"),
     ({"max_tokens": 0, "max_completion_tokens": 5}, "max_tokens"),

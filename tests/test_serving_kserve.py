@@ -5,6 +5,7 @@ conversion of :mod:`trtllm_lite.ensemble_tensors` on its own."""
 from __future__ import annotations
 
 import queue
+import time
 
 import numpy as np
 import pytest
@@ -406,3 +407,19 @@ def test_requests_refused_before_the_engine_count_as_invalid_argument(server, tr
     delta = lambda name: outcomes(server).get(name, 0) - before.get(name, 0)  # noqa: E731
     assert wait_until(lambda: delta("invalid_argument") >= 6, timeout=10)
     assert {k: delta(k) for k in set(outcomes(server)) if delta(k)} == {"invalid_argument": 6}
+
+
+def test_unimplemented_rpcs_answer_unimplemented_and_log_no_error(server, triton):
+    """Statistics (perf_analyzer and genai-perf ask for them), the repository, shared-memory,
+    trace and log RPCs answer UNIMPLEMENTED; the generated base class's NotImplementedError
+    also logged an ERROR with a traceback on every call (QA)."""
+    before = len(server.stderr_lines)
+    for call in (lambda: triton.get_inference_statistics("ensemble"), triton.get_model_repository_index,
+                 triton.get_system_shared_memory_status, triton.get_trace_settings, triton.get_log_settings):
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert "UNIMPLEMENTED" in str(e.value.status())
+    assert triton.is_server_live()
+    time.sleep(0.5)
+    logged = "".join(server.stderr_lines[before:])
+    assert "Traceback" not in logged and "ERROR" not in logged, logged

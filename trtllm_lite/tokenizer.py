@@ -2,6 +2,7 @@
 model's chat template rendered with jinja2 the way transformers renders it."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -90,6 +91,32 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for (OpenAI's logprob ``bytes``): exact for a
+        byte-level BPE token (GPT-2's byte alphabet) or a byte-fallback ``<0xNN>`` token, even
+        where the token holds only part of a character (whose decoded text is U+FFFD); else its
+        decoded text's bytes."""
+        added = self._added_tokens.get(token_id)
+        if added is not None:
+            return added.encode()
+        piece = self.hf.id_to_token(token_id)
+        if piece is not None and self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8", "replace")
+
+    @functools.cached_property
+    def _added_tokens(self) -> dict[int, str]:
+        return {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return type(self.hf.decoder).__name__ == "ByteLevel"
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's template.
 
@@ -114,6 +141,22 @@ class Tokenizer:
                 check_unicode(m[key], f"messages[{i}].{key}")
         return _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: each byte's stand-in character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _raise(message: str):

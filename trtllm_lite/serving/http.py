@@ -513,6 +513,8 @@ class ResponseFormat:
     def __init__(self, service, body, kind, rid, created, n, prompt_texts):
         self.service, self.body, self.kind, self.rid, self.created, self.n = service, body, kind, rid, created, n
         self.prompt_texts = prompt_texts
+        # echo with max_tokens 0: the prompt alone; the one token generated is left out
+        self.echo_only = kind == "text" and getattr(body, "echo_only", False)
         self._text_offsets: dict[int, int] = {}   # choice index -> its logprobs' text so far (streaming)
         self.object = "text_completion" if kind == "text" else "chat.completion"
 
@@ -520,9 +522,9 @@ class ResponseFormat:
         obj = self.object + (".chunk" if chunk and self.kind == "chat" else "")
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.service.model_name}
 
-    @staticmethod
-    def usage(accs: list[Accumulator]) -> dict:
-        p, c = sum(a.num_prompt_tokens for a in accs), sum(a.num_completion_tokens for a in accs)
+    def usage(self, accs: list[Accumulator]) -> dict:
+        p = sum(a.num_prompt_tokens for a in accs)
+        c = 0 if self.echo_only else sum(a.num_completion_tokens for a in accs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": sum(a.num_cached_tokens for a in accs)}}
 
@@ -540,14 +542,16 @@ class ResponseFormat:
                 return lp.decoded_token
             return tok.decode([t], skip_special_tokens=False) if tok else str(t)
 
-        positions = position_logprobs(o.token_ids, o.logprobs)
+        positions = [] if self.echo_only else position_logprobs(o.token_ids, o.logprobs)
         if self.kind == "chat":
+            def raw(t, s):   # the token's own bytes: part of a character where its text is U+FFFD
+                return list(tok.token_bytes(t)) if tok else list(s.encode())
             content = []
             for t, lp, top in positions:
                 s = text(t, dict(top).get(t))
-                alts = [{"token": text(k, v), "logprob": _num(v.logprob), "bytes": list(text(k, v).encode())}
+                alts = [{"token": text(k, v), "logprob": _num(v.logprob), "bytes": raw(k, text(k, v))}
                         for k, v in top][:self.body.top_logprobs or 0]
-                content.append({"token": s, "logprob": _num(lp), "bytes": list(s.encode()), "top_logprobs": alts})
+                content.append({"token": s, "logprob": _num(lp), "bytes": raw(t, s), "top_logprobs": alts})
             return {"content": content}
         if echoed is not None and echoed.prompt_logprobs is not None:
             positions = position_logprobs(echoed.prompt_token_ids, echoed.prompt_logprobs) + positions
@@ -567,7 +571,7 @@ class ResponseFormat:
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _choice(self, index: int, text: str, o, chunk: bool, first: bool = False, echoed=None) -> dict:
-        finish = o.finish_reason
+        finish = "length" if self.echo_only and o.finish_reason else o.finish_reason
         choice = {"index": index}
         if self.kind == "text":
             choice["text"] = text
@@ -587,7 +591,7 @@ class ResponseFormat:
         choices = []
         for i, acc in enumerate(accs):
             for s in acc.results():
-                text = (self.prompt_texts[i] + s.text) if self.prompt_texts else s.text
+                text = (self.prompt_texts[i] + ("" if self.echo_only else s.text)) if self.prompt_texts else s.text
                 choice = self._choice(i * self.n + s.index, text, s, chunk=False,
                                       echoed=acc.last if self.prompt_texts else None)
                 if self.kind == "text":
@@ -601,11 +605,11 @@ class ResponseFormat:
         started: set[int] = set()
         try:
             for i, out in enumerate(firsts):
-                for chunk in self._chunks(i, out, accs[i], started):
+                for chunk in self._chunks(i, out, accs, started):
                     yield chunk
             async with _closing_all(gens):
                 async for i, out in merged(gens, batch):
-                    for chunk in self._chunks(i, out, accs[i], started):
+                    for chunk in self._chunks(i, out, accs, started):
                         yield chunk
             if self.body.include_usage:
                 yield _sse({**self._base(True), "choices": [], "usage": self.usage(accs)})
@@ -613,22 +617,28 @@ class ResponseFormat:
             yield _sse(oa.error_body(classify(e).http, str(e) or type(e).__name__))
         yield "data: [DONE]\n\n"
 
-    def _chunks(self, i: int, out, acc: Accumulator, started: set[int]):
-        acc.add(out)
+    def _chunks(self, i: int, out, accs: list[Accumulator], started: set[int]):
+        """The SSE chunks of prompt ``i``'s output ``out``; ``accs``: every prompt's counts so far."""
+        accs[i].add(out)
         for o in out.outputs:
             index = i * self.n + o.index
             first = index not in started
-            text = o.text
+            text = "" if self.echo_only else o.text
             if first and self.prompt_texts:
                 text = self.prompt_texts[i] + text
             # a token whose text is held back (it may begin a stop string, or ends inside a
             # character) still gets a chunk when it has logprobs: they would be lost otherwise
-            if not text and not o.finish_reason and not o.logprobs and not (first and self.kind == "chat"):
+            if not text and not o.finish_reason and (not o.logprobs or self.echo_only) \
+                    and not (first and self.kind == "chat"):
                 continue
             started.add(index)
             echoed = out if first and self.prompt_texts else None
-            yield _sse({**self._base(True), "choices": [self._choice(index, text, o, chunk=True, first=first,
-                                                                     echoed=echoed)]})
+            chunk = {**self._base(True), "choices": [self._choice(index, text, o, chunk=True, first=first,
+                                                                  echoed=echoed)]}
+            options = self.body.stream_options
+            if options is not None and options.include_usage and options.continuous_usage_stats:
+                chunk["usage"] = self.usage(accs)   # vLLM's: the counts so far on every chunk
+            yield _sse(chunk)
 
 
 def _num(x):

@@ -135,8 +135,8 @@ def _times_ns(acc: Accumulator) -> dict[str, int]:
 
 
 class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
-    """KServe v2 over an :class:`EngineService`; unimplemented RPCs (repository, shared
-    memory, trace, log settings) answer UNIMPLEMENTED."""
+    """KServe v2 over an :class:`EngineService`; unimplemented RPCs (statistics, repository,
+    shared memory, trace, log settings) answer UNIMPLEMENTED."""
 
     def __init__(self, service: EngineService, stream_buffer: int = 256):
         self.service = service
@@ -311,6 +311,22 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+
+def _unimplemented(name: str):
+    async def rpc(self, request, context):
+        # the generated base class raises NotImplementedError, which grpc answers UNIMPLEMENTED but
+        # also logs at ERROR with a traceback on every call (perf_analyzer asks ModelStatistics)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{name} is not implemented by trtllm-lite")
+    rpc.__name__ = rpc.__qualname__ = name
+    return rpc
+
+
+for _name in ("ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+              "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+              "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
+              "TraceSetting", "LogSettings"):
+    setattr(KServeServicer, _name, _unimplemented(_name))
 
 
 def _message(error: BaseException) -> str:

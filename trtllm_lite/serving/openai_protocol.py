@@ -30,6 +30,13 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+#: Request fields that constrain what may be generated (OpenAI's legacy function calling,
+#: vLLM's guided decoding): refused, not ignored, as ``tools`` and a non-text ``response_format``
+#: are; ``function_call`` "none" / "auto" ask for nothing and are accepted.
+CONSTRAINING_EXTRAS = ("functions", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                       "structured_outputs")
+
+
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -71,6 +78,13 @@ class _Sampling(BaseModel):
             raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
         if self.stream_options is not None and not self.stream:   # as OpenAI and vLLM refuse it
             raise ValueError("stream_options is only allowed with stream=true")
+        extra = self.model_extra or {}
+        for name in CONSTRAINING_EXTRAS:   # ignoring them would give unconstrained text as if obeyed
+            if extra.get(name) is not None:
+                raise ValueError(f"{name} is not supported (there is no structured output or tool calling)")
+        form = extra.get("response_format")   # (chat declares it; a completion gets vLLM's extra)
+        if form is not None and not (isinstance(form, dict) and form.get("type") in (None, "text")):
+            raise ValueError("response_format: only {'type': 'text'} is supported")
         bias = None
         if self.logit_bias:
             # canonical decimal only: int() also takes " 5", "-0", "+5", "0_5" and "٥"
@@ -111,6 +125,12 @@ class CompletionRequest(_Sampling):
             raise ValueError("prompt is empty")
         return list(p)
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the answer is the prompt alone (with its logprobs when
+        ``logprobs`` is sent), as OpenAI's legacy API and vLLM give it, to score a text."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_values(self, room: int | None = None) -> dict[str, Any]:
         """Sampling values for one prompt. ``max_tokens`` absent is 16 (OpenAI's legacy
         default, and vLLM's); sent as null it is ``room``, the tokens left in ``max_model_len``
@@ -124,6 +144,8 @@ class CompletionRequest(_Sampling):
         if self.suffix:
             raise ValueError("suffix is not supported")
         max_tokens = self.max_tokens if self.max_tokens is not None or room is None else max(room, 1)
+        if self.echo_only:   # one token is generated, then left out of the answer
+            max_tokens = 1
         values = dict(self.common_values(), max_tokens=max_tokens, logprobs=self.logprobs)
         if self.echo and values["prompt_logprobs"] is None:   # echo + logprobs: the prompt's too (vLLM)
             values["prompt_logprobs"] = self.logprobs
@@ -153,7 +175,7 @@ class ChatMessage(BaseModel):
             if part.text is None:
                 raise ValueError("messages: a content part of type 'text' needs a 'text' string")
             parts.append(part.text)
-        return "".join(parts)
+        return "\n".join(parts)   # as vLLM joins a message's text parts (string content format)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -180,6 +202,10 @@ class ChatCompletionRequest(_Sampling):
         """
         if self.tools:
             raise ValueError("tools are not supported")
+        function_call = (self.model_extra or {}).get("function_call")   # (the legacy tool_choice)
+        if function_call not in (None, "none", "auto"):
+            raise ValueError(f"function_call {function_call!r} needs functions, which are not supported "
+                             f"(only 'none' or 'auto', which give text)")
         if self.tool_choice not in (None, "none", "auto"):   # a tool call asked for: none can come
             raise ValueError(f"tool_choice {self.tool_choice!r} needs tools, which are not supported "
                              f"(only 'none' or 'auto', which give text)")
