@@ -119,6 +119,9 @@ class BuildConfig:
         if self.quantization == W8A8 and self.accuracy_level not in (None, 0):
             raise ValueError(f"--accuracy-level {self.accuracy_level}: it sets MatMulNBits' precision "
                              "(--quantization int8 / int4); w8a8 always takes int8 activations")
+        if self.quantization == "none" and self.accuracy_level not in (None, 0):   # (QA: accepted, no effect)
+            raise ValueError(f"--accuracy-level {self.accuracy_level}: it sets MatMulNBits' precision "
+                             "(--quantization int8 / int4); an unquantized engine has none")
         if self.accuracy_level is None:
             self.accuracy_level = 0
         if self.accuracy_level not in (0, 1, 2, 3, 4):
@@ -173,6 +176,9 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     """
     bc = build_config or BuildConfig()
     bc.validate()   # the options alone, before loading the model (seconds)
+    if os.path.isdir(model) and os.path.isdir(output) and os.path.samefile(model, output):
+        # (QA: the build wrote its graphs among the checkpoint's files, then failed copying the tokenizer)
+        raise ValueError(f"--output {output!r} is the --model directory: write the engine elsewhere")
     t0 = time.time()
     _log(f"loading {model}")
     loaded = load_model(model)
@@ -184,7 +190,10 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         loaded = rotate_activations(loaded)
         _log(f"rotated the residual stream and the down projections' inputs (block {down_block(loaded.config.intermediate_size)})")
     cfg = loaded.config
-    bc.max_seq_len = min(bc.max_seq_len, cfg.max_position_embeddings)
+    if bc.max_seq_len > cfg.max_position_embeddings:   # (QA: capped without a word)
+        _log(f"--max-seq-len {bc.max_seq_len} capped at the model's max_position_embeddings "
+             f"({cfg.max_position_embeddings})")
+        bc.max_seq_len = cfg.max_position_embeddings
     bc.validate(cfg.max_position_embeddings)
     _log(f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
          f"{cfg.num_heads}/{cfg.num_kv_heads} kv, {cfg.num_parameters / 1e6:.1f} M parameters "

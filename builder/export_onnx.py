@@ -60,6 +60,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         return inv
     if s["rope_type"] == "linear":
         return inv / s["factor"]
+    if s["rope_type"] == "freq_factors":   # GGUF rope_freqs.weight: llama.cpp divides each frequency
+        return inv / np.asarray(s["factors"], np.float64)
     factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_ctx = s.get("original_max_position_embeddings", 8192)
     wavelen = 2 * np.pi / inv

@@ -155,6 +155,12 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     """Translate a transformers ``config.json`` dict into a :class:`ModelConfig`."""
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
     arch = archs[0]
+    quant = cfg.get("quantization_config")
+    if quant:   # (QA: an FP8 checkpoint's codes were read as the weights, its scales dropped, silently)
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise UnsupportedModelError(f"quantization_config (quant_method {method!r}): quantized Hugging Face "
+                                    "checkpoints are not supported; use the unquantized checkpoint (and "
+                                    "--quantization) or a GGUF file")
     eos = cfg.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if arch in LLAMA_FAMILY:
@@ -192,7 +198,9 @@ def config_from_hf(cfg: dict) -> ModelConfig:
             num_heads=cfg["n_head"], num_kv_heads=cfg["n_head"], head_dim=hidden // cfg["n_head"],
             intermediate_size=cfg.get("n_inner") or 4 * hidden, vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg["n_positions"], norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-            tie_word_embeddings=True, qkv_bias=True, o_bias=True, mlp_bias=True,
+            # (QA: an untied lm_head.weight was ignored, the embedding used in its place)
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            qkv_bias=True, o_bias=True, mlp_bias=True,
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
     raise UnsupportedModelError(
         f"unsupported architecture {arch!r}; supported: {sorted(LLAMA_FAMILY | GPT2_FAMILY)}")
@@ -206,9 +214,14 @@ def _positions_within_sliding_window(cfg: dict, arch: str) -> int:
     Mistral with ``sliding_window=8`` was ~1-4 off in log-probability past 8 tokens (QA 25)."""
     positions = cfg.get("max_position_embeddings", 4096)
     window = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and (not cfg.get("use_sliding_window", False)   # (layers from
-                                       or cfg.get("max_window_layers", 0) >= cfg["num_hidden_layers"]):
-        window = None                                                            # max_window_layers slide)
+    if arch == "Qwen2ForCausalLM":
+        layer_types = cfg.get("layer_types")
+        if isinstance(layer_types, list):   # (transformers 5 reads these over max_window_layers; QA: a config
+            sliding = "sliding_attention" in layer_types   # whose layer_types slid ran unwindowed, uncapped)
+        else:   # layers from max_window_layers slide
+            sliding = cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]
+        if not (cfg.get("use_sliding_window", False) and sliding):
+            window = None
     if isinstance(window, int) and 0 < window < positions:
         warnings.warn(f"{arch} attends within a sliding window of {window} tokens, which the engine does "
                       f"not implement: the engine's max_seq_len is capped at the window ({window} tokens)",
@@ -234,12 +247,21 @@ def _read_safetensors(directory: str) -> dict[str, np.ndarray]:
 
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
-        raise UnsupportedModelError(f"{directory} has no *.safetensors weights")
+        pickles = sorted(f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        found = (f" (found {', '.join(pickles)}: pickle checkpoints are never loaded; convert them to "
+                 "safetensors)") if pickles else ""
+        raise UnsupportedModelError(f"{directory} has no *.safetensors weights{found}")
     tensors: dict[str, np.ndarray] = {}
     for name in files:
         with safe_open(os.path.join(directory, name), framework="pt") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key).float().numpy()
+                tensor = f.get_tensor(key)
+                if not tensor.is_floating_point():   # integer / bool buffers (e.g. GPT-2's attention masks)
+                    continue                         # are not weights; a weight missing is named later
+                if tensor.element_size() < 2:   # (QA: float8 codes were read as the weights, scales dropped)
+                    raise UnsupportedModelError(f"tensor {key!r} in {name} is {str(tensor.dtype).removeprefix('torch.')}: "
+                                                "only float32, float16 and bfloat16 weights are supported")
+                tensors[key] = tensor.float().numpy()
     return tensors
 
 
@@ -277,12 +299,32 @@ def load_hf_dir(directory: str) -> LoadedModel:
     """Read an HF directory: ``config.json`` and ``*.safetensors`` (never ``*.bin``)."""
     with open(os.path.join(directory, "config.json")) as f:
         config = config_from_hf(json.load(f))
+    config.eos_token_ids = _with_generation_config_eos(directory, config.eos_token_ids)
     raw = _read_safetensors(directory)
     raw = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in raw.items()}
     t = _Tensors(raw, directory)
     weights = _llama_weights_hf(config, t) if config.family == "llama" else _gpt2_weights_hf(config, t)
+    head = t.get("lm_head.weight")
+    if config.tie_word_embeddings and head is not None and not np.array_equal(head, weights["embed.weight"]):
+        # (QA: transformers 5 computes with the checkpoint's lm_head here, earlier versions tie it)
+        warnings.warn(f"{directory}: tie_word_embeddings is true but the checkpoint's lm_head.weight differs "
+                      "from the embedding: the engine ties them (uses the embedding), as config.json says",
+                      stacklevel=2)
     return LoadedModel(config, weights, directory, "hf",
                        tokenizer_saver=lambda out: _copy_hf_tokenizer(directory, out))
+
+
+def _with_generation_config_eos(directory: str, eos_ids: list[int]) -> list[int]:
+    """``eos_ids`` and those of ``generation_config.json`` (transformers' generate stops at any of
+    them: Qwen2.5 and Llama 3 instruct checkpoints list more there than config.json has; QA, the
+    engine went on past them)."""
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return eos_ids
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    more = [eos] if isinstance(eos, int) else list(eos or [])
+    return list(eos_ids) + [int(e) for e in more if isinstance(e, int) and e not in eos_ids]
 
 
 def _llama_weights_hf(config: ModelConfig, t: _Tensors) -> dict[str, np.ndarray]:
@@ -313,6 +355,8 @@ def _gpt2_weights_hf(config: ModelConfig, t: _Tensors) -> dict[str, np.ndarray]:
     # GPT-2 uses Conv1D: weights are [in, out]; transpose to [out, in].
     w = {"embed.weight": t("wte.weight"), "pos_embed.weight": t("wpe.weight"),
          "final_norm.weight": t("ln_f.weight"), "final_norm.bias": t("ln_f.bias")}
+    if not config.tie_word_embeddings:
+        w["lm_head.weight"] = t("lm_head.weight")
     for i in range(config.num_layers):
         h, p = f"h.{i}.", f"layers.{i}."
         for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
@@ -359,21 +403,68 @@ def config_from_gguf(reader) -> ModelConfig:
     g = lambda key, default=None: _gguf_field(reader, f"{arch}.{key}", default)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = g("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise UnsupportedModelError(f"the vocabulary size is unknown: neither {arch}.vocab_size nor "
+                                    "tokenizer.ggml.tokens is in the file")
     names = {t.name for t in reader.tensors}
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    head_dim = int(g("attention.key_length", hidden // heads))
+    rope_dims = g("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise UnsupportedModelError(f"{arch}.rope.dimension_count {int(rope_dims)} (rotary on part of each head) "
+                                    f"is not supported (head_dim {head_dim})")
+    rope_scaling = _gguf_rope_scaling(reader, arch, head_dim)
     return ModelConfig(
         architecture=GGUF_ARCHS[arch], family="llama", num_layers=int(g("block_count")),
         hidden_size=hidden, num_heads=heads, num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         intermediate_size=int(g("feed_forward_length")), vocab_size=int(vocab),
         max_position_embeddings=int(g("context_length", 4096)),
         norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[int(eos)] if eos is not None else [])
+        eos_token_ids=_gguf_end_of_generation_ids(reader))
+
+
+def _gguf_end_of_generation_ids(reader) -> list[int]:
+    """The ids that end generation: ``tokenizer.ggml.eos_token_id`` and the end-of-turn and
+    end-of-message ids (``eot_token_id``, ``eom_token_id``: Llama 3 instruct's ``<|eot_id|>``,
+    ``<|eom_id|>``), as llama.cpp stops at any of them (QA: a Llama 3 GGUF ran past its turn)."""
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = _gguf_field(reader, f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def _gguf_rope_scaling(reader, arch: str, head_dim: int) -> dict | None:
+    """llama.cpp's rotary scaling: ``{arch}.rope.scaling.type`` (none / linear; others refused) and
+    the ``rope_freqs.weight`` tensor (per-frequency divisors: Llama 3.1/3.2's llama3 scaling as
+    convert_hf_to_gguf writes it). QA: both were ignored, the positions rotated unscaled."""
+    kind = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    factor = _gguf_field(reader, f"{arch}.rope.scaling.factor")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    scaling = None
+    if kind not in (None, "none") and not (kind == "linear" and factor in (None, 0.0, 1.0)):
+        if kind != "linear":
+            raise UnsupportedModelError(f"{arch}.rope.scaling.type {kind!r} is not supported (only 'linear')")
+        scaling = {"rope_type": "linear", "factor": float(factor)}
+    if freqs is not None:
+        from gguf.quants import dequantize
+
+        divisors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
+        if divisors.shape != (head_dim // 2,):
+            raise UnsupportedModelError(f"rope_freqs.weight has {divisors.size} values, expected head_dim / 2 = "
+                                        f"{head_dim // 2}")
+        if scaling is not None:
+            raise UnsupportedModelError(f"rope_freqs.weight together with {arch}.rope.scaling.type {kind!r} "
+                                        "is not supported")
+        scaling = {"rope_type": "freq_factors", "factors": divisors.tolist()}
+    return scaling
 
 
 def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -418,7 +509,12 @@ def load_gguf(path: str) -> LoadedModel:
         w[p + "mlp_norm.weight"] = t(b + "ffn_norm.weight")
         w[p + "gate_up.weight"] = _stack({b + f"ffn_{x}.weight": t(b + f"ffn_{x}.weight") for x in ("gate", "up")})
         w[p + "down.weight"] = t(b + "ffn_down.weight")
-    return LoadedModel(config, w, path, "gguf", tokenizer_saver=lambda out: _save_gguf_tokenizer(path, out),
+    tokenizer_model = _gguf_field(reader, "tokenizer.ggml.model")
+    if tokenizer_model is None:   # (as an HF directory without tokenizer.json: QA, the build failed at its end)
+        warnings.warn(f"{path} has no tokenizer (tokenizer.ggml.model): the engine takes token-id prompts only",
+                      stacklevel=3)
+    saver = (lambda out: _save_gguf_tokenizer(path, out, tokenizer_model)) if tokenizer_model is not None else None
+    return LoadedModel(config, w, path, "gguf", tokenizer_saver=saver,
                        extra={"gguf_tensor_types": {x.name: x.tensor_type.name for x in reader.tensors},
                               "gguf_raw": _gguf_raw_linears(reader, config, permute)})
 
@@ -454,10 +550,18 @@ def _gguf_raw_linears(reader, config: ModelConfig, permute: bool) -> dict[str, t
     return raw
 
 
-def _save_gguf_tokenizer(path: str, out: str) -> list[str]:
-    """Convert the GGUF's embedded tokenizer (and chat template) with transformers."""
+def _save_gguf_tokenizer(path: str, out: str, tokenizer_model: str | None = None) -> list[str]:
+    """Convert the GGUF's embedded tokenizer (and chat template) with transformers.
+
+    Raises:
+        UnsupportedModelError: transformers cannot convert it (names the file and tokenizer.ggml.model).
+    """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    except (ValueError, KeyError, NotImplementedError) as e:
+        raise UnsupportedModelError(f"--model {path!r}: cannot convert its tokenizer (tokenizer.ggml.model "
+                                    f"{tokenizer_model!r}): {e}") from e
     files = tok.save_pretrained(out)
     return sorted({os.path.basename(f) for f in files if os.path.exists(f)})

@@ -82,3 +82,25 @@ def test_stop_string_search_and_hold_back():
     assert held_back("hello ST", ["STOP"]) == 2
     assert held_back("hello S", ["STOP", "SO"]) == 1
     assert held_back("hello", ["STOP"]) == 0
+
+
+def test_byte_fallback_token_that_is_not_utf8_then_a_word_does_not_raise(tmp_path):
+    """QA: ``DecodeStream`` raised "Invalid prefix encountered while decoding stream" on a
+    SentencePiece byte-fallback token that does not complete a character followed by a word
+    (Llama 2 / Mistral tokenizers; a model can emit it), which ended the request, and the
+    build's compile check with a traceback. The words still come out, each once."""
+    from tokenizers import AddedToken
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+             "▁Hello": 259, "▁world": 260, "▁foo": 261}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])     # (what transformers makes of a GGUF's)
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = Tokenizer(str(tmp_path))
+    for prompt, ids in (([1, 259], [3 + 0x41, 3 + 0xE2, 260, 261]), ([1, 2, 3], [3 + 0xE2, 260, 261]),
+                        ([1, 259], [3 + 0x41, 3 + 0xFF, 3 + 0x80, 260, 3 + 0x42, 261])):
+        text = "".join(stream(t, prompt, ids))
+        assert text.count("world") == 1 and text.count("foo") == 1 and text.endswith(" foo"), (ids, text)

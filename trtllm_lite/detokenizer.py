@@ -7,6 +7,8 @@ tokenizers drop a leading space at the start of a text otherwise).
 """
 from __future__ import annotations
 
+import os
+
 from tokenizers.decoders import DecodeStream
 
 from .tokenizer import Tokenizer
@@ -19,12 +21,40 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.skip_special_tokens = skip_special_tokens
+        self.context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.output_ids: list[int] = []
+        self.pending = 0           # output_ids[pending:]: tokens whose text was not returned yet
+        self.stream = self._new_stream(self.context)
+
+    def _new_stream(self, ids: list[int]) -> DecodeStream:
         try:
-            self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+            return DecodeStream(ids=ids, skip_special_tokens=self.skip_special_tokens)
         except TypeError:  # older tokenizers: no priming
-            self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            return DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         """Feed one token; return the new text (maybe empty while a character is incomplete)."""
-        return self.stream.step(self.tokenizer.hf, int(token_id)) or ""
+        self.output_ids.append(int(token_id))
+        try:
+            delta = self.stream.step(self.tokenizer.hf, int(token_id)) or ""
+        except Exception:   # noqa: BLE001 - tokenizers raises a bare Exception
+            # DecodeStream refuses a byte-fallback token that is not valid UTF-8 followed by another
+            # token ("Invalid prefix encountered while decoding stream"; QA: a SentencePiece
+            # tokenizer's <0xE2> then '\u2581word' ended the request, and the build's compile check):
+            # the tokens not returned yet decoded after their context, and a stream primed afresh
+            delta = self._decode_pending()
+            self.stream = self._new_stream((self.context + self.output_ids)[-PROMPT_CONTEXT_TOKENS:])
+        if delta:
+            self.pending = len(self.output_ids)
+        return delta
+
+    def _decode_pending(self) -> str:
+        hf, skip = self.tokenizer.hf, self.skip_special_tokens
+        before = (self.context + self.output_ids[:self.pending])[-PROMPT_CONTEXT_TOKENS:]
+        new = self.output_ids[self.pending:]
+        base = hf.decode(before, skip_special_tokens=skip)
+        full = hf.decode(before + new, skip_special_tokens=skip)
+        # (past the common start: where invalid bytes end the context, its replacement characters
+        # may differ in number once more bytes follow)
+        return full[len(os.path.commonprefix([base, full])):]
