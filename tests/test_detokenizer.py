@@ -5,13 +5,13 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from trtllm_lite.detokenizer import IncrementalDetokenizer
 from trtllm_lite.stop_strings import find_stop, held_back
-from trtllm_lite.tokenizer import Tokenizer
+from trtllm_lite.tokenizer import Tokenizer, bytes_to_unicode
 
 
 def byte_level_tokenizer(tmp_path, extra_tokens):
     """A byte-level BPE tokenizer: all 256 byte tokens plus the given multi-byte tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = _bytes_to_unicode()
+    byte_chars = bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(256)}
     for t in extra_tokens:
         vocab["".join(byte_chars[b] for b in t)] = len(vocab)
@@ -21,19 +21,6 @@ def byte_level_tokenizer(tmp_path, extra_tokens):
     tok.decoder = decoders.ByteLevel()
     tok.save(str(tmp_path / "tokenizer.json"))
     return Tokenizer(str(tmp_path)), vocab, byte_chars
-
-
-def _bytes_to_unicode():
-    # GPT-2's reversible byte -> printable character table
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def stream(tok, prompt, ids):

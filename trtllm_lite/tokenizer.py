@@ -143,8 +143,9 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level BPE alphabet: each byte's stand-in character."""
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet (Radford et al. 2019, its ``encoder.py``): each byte's
+    printable stand-in character, the bytes that print as themselves first."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
         + list(range(ord("\xae"), ord("\xff") + 1))
     cs, n = bs[:], 0
@@ -156,7 +157,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _raise(message: str):
