@@ -190,8 +190,12 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         loaded = rotate_activations(loaded)
         _log(f"rotated the residual stream and the down projections' inputs (block {down_block(loaded.config.intermediate_size)})")
     cfg = loaded.config
+    outside = [i for i in cfg.eos_token_ids if not 0 <= i < cfg.vocab_size]
+    if outside:   # (QA: GPT-2's default 50256 in a smaller vocabulary broke min_tokens at run time)
+        _log(f"end-of-sequence ids {outside} are outside the vocabulary ({cfg.vocab_size} tokens): dropped")
+        cfg.eos_token_ids = [i for i in cfg.eos_token_ids if 0 <= i < cfg.vocab_size]
     if bc.max_seq_len > cfg.max_position_embeddings:   # (QA: capped without a word)
-        _log(f"--max-seq-len {bc.max_seq_len} capped at the model's max_position_embeddings "
+        _log(f"max_seq_len {bc.max_seq_len} capped at the model's max_position_embeddings "
              f"({cfg.max_position_embeddings})")
         bc.max_seq_len = cfg.max_position_embeddings
     bc.validate(cfg.max_position_embeddings)

@@ -71,11 +71,9 @@ def test_stop_string_search_and_hold_back():
     assert held_back("hello", ["STOP"]) == 0
 
 
-def test_byte_fallback_token_that_is_not_utf8_then_a_word_does_not_raise(tmp_path):
-    """QA: ``DecodeStream`` raised "Invalid prefix encountered while decoding stream" on a
-    SentencePiece byte-fallback token that does not complete a character followed by a word
-    (Llama 2 / Mistral tokenizers; a model can emit it), which ended the request, and the
-    build's compile check with a traceback. The words still come out, each once."""
+def sentencepiece_tokenizer(tmp_path) -> Tokenizer:
+    """A SentencePiece-style BPE with byte fallback: "\u2581" for spaces, ``<0xNN>`` byte tokens,
+    ids 259-261 three words, decoded as transformers decodes a GGUF's llama tokenizer."""
     from tokenizers import AddedToken
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
@@ -83,10 +81,34 @@ def test_byte_fallback_token_that_is_not_utf8_then_a_word_does_not_raise(tmp_pat
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])     # (what transformers makes of a GGUF's)
+                                     decoders.Strip(" ", 1, 0)])
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
     tok.save(str(tmp_path / "tokenizer.json"))
-    t = Tokenizer(str(tmp_path))
+    return Tokenizer(str(tmp_path))
+
+
+def test_token_bytes_are_each_tokens_own_bytes(tmp_path):
+    """OpenAI's logprob ``bytes`` (and the token text the HTTP server derives from them): a
+    SentencePiece word keeps its leading space, which decoding it alone strips (QA); a byte
+    token is its byte; a byte-level BPE token holding part of a character is its own bytes; a
+    special token is its text."""
+    (tmp_path / "spm").mkdir()
+    (tmp_path / "bpe").mkdir()
+    t = sentencepiece_tokenizer(tmp_path / "spm")
+    assert t.token_bytes(260) == b" world" and t.decode([260]) == "world"
+    assert t.token_bytes(3 + 0xE2) == b"\xe2" and t.token_bytes(1) == b"<s>"
+    b, _, _ = byte_level_tokenizer(tmp_path / "bpe", [])
+    emoji = "\U0001F600".encode()
+    ids = b.encode("\U0001F600", add_special_tokens=False)
+    assert b"".join(b.token_bytes(i) for i in ids) == emoji and len(ids) > 1
+
+
+def test_byte_fallback_token_that_is_not_utf8_then_a_word_does_not_raise(tmp_path):
+    """QA: ``DecodeStream`` raised "Invalid prefix encountered while decoding stream" on a
+    SentencePiece byte-fallback token that does not complete a character followed by a word
+    (Llama 2 / Mistral tokenizers; a model can emit it), which ended the request, and the
+    build's compile check with a traceback. The words still come out, each once."""
+    t = sentencepiece_tokenizer(tmp_path)
     for prompt, ids in (([1, 259], [3 + 0x41, 3 + 0xE2, 260, 261]), ([1, 2, 3], [3 + 0xE2, 260, 261]),
                         ([1, 259], [3 + 0x41, 3 + 0xFF, 3 + 0x80, 260, 3 + 0x42, 261])):
         text = "".join(stream(t, prompt, ids))

@@ -29,6 +29,23 @@ def test_gpt2_untied_lm_head_is_read(tmp_path):
     logits = runner.execute(StepBatch(prefill=[ScheduledSeq(prompt, list(range(4)), 0, 20, num_logits=20)]))
     with torch.no_grad():
         np.testing.assert_allclose(logits, hf(torch.tensor([prompt])).logits[0].numpy(), atol=1e-4, rtol=1e-4)
+    del runner
+    # GPT-2's default eos id 50256 lies outside this 256-token vocabulary: the build drops it,
+    # and an engine that still lists it (built before) ignores it with a warning; min_tokens,
+    # which forbids the eos ids, indexed past the logits with it and failed the whole step (QA)
+    from trtllm_lite import LLM, SamplingParams
+
+    manifest_path = os.path.join(engine, "engine.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    assert manifest["model"]["eos_token_ids"] == []
+    manifest["model"]["eos_token_ids"] = [50256]
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.warns(UserWarning, match=r"end-of-sequence ids \[50256\] are outside the vocabulary"):
+        llm = LLM(engine, num_threads=1, verify_checksums=False)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=4, min_tokens=2, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,

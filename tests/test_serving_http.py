@@ -578,10 +578,15 @@ def test_fields_that_constrain_the_output_are_400_not_ignored(server, route, ext
             **({"messages": MESSAGES} if route.startswith("chat") else {"prompt": PROMPT})}
     r = httpx.post(f"http://{server.http}/v1/{route}", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
+    before = len(server.stderr_lines)
     for ok in ({"function_call": "auto"}, {"response_format": {"type": "text"}}):
         ok_body = {**body, **ok}
         ok_body.pop(next(iter(extra)) if next(iter(extra)) not in ok else "", None)
         assert httpx.post(f"http://{server.http}/v1/{route}", json=ok_body, timeout=60).status_code == 200
+    # read and accepted, so not logged as ignored (QA)
+    time.sleep(0.2)
+    logged = "".join(server.stderr_lines[before:])
+    assert "'function_call'" not in logged and "'response_format'" not in logged, logged
 
 
 def test_chat_text_parts_are_joined_by_newlines_as_vllm_does(server, smollm2_llm):

@@ -94,7 +94,8 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token stands for (OpenAI's logprob ``bytes``): exact for a
         byte-level BPE token (GPT-2's byte alphabet) or a byte-fallback ``<0xNN>`` token, even
-        where the token holds only part of a character (whose decoded text is U+FFFD); else its
+        where the token holds only part of a character (whose decoded text is U+FFFD); a
+        SentencePiece token with its leading space (which decoding it alone strips); else its
         decoded text's bytes."""
         added = self._added_tokens.get(token_id)
         if added is not None:
@@ -107,6 +108,8 @@ class Tokenizer:
                 return bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
+        if piece is not None and self._metaspace:   # SentencePiece: "\u2581" stands for a space
+            return piece.replace("\u2581", " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8", "replace")
 
     @functools.cached_property
@@ -116,6 +119,12 @@ class Tokenizer:
     @functools.cached_property
     def _byte_level(self) -> bool:
         return type(self.hf.decoder).__name__ == "ByteLevel"
+
+    @functools.cached_property
+    def _metaspace(self) -> bool:
+        """Whether the decoder turns SentencePiece's "\u2581" into spaces (Metaspace, or a
+        Replace step: what transformers makes of a GGUF's llama tokenizer)."""
+        return "\u2581" in json.dumps(json.loads(self.hf.to_str()).get("decoder"), ensure_ascii=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's template.

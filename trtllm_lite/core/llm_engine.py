@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import warnings
 
 import numpy as np
 
@@ -180,6 +181,11 @@ class LLMEngine:
         self.eos_token_ids = set(model.get("eos_token_ids") or [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        outside = {i for i in self.eos_token_ids if not 0 <= i < model["vocab_size"]}
+        if outside:   # (QA: GPT-2's default 50256 in a smaller vocabulary: min_tokens indexed past the logits)
+            warnings.warn(f"end-of-sequence ids {sorted(outside)} are outside the vocabulary ({model['vocab_size']} "
+                          "tokens): never generated, ignored", stacklevel=2)
+            self.eos_token_ids -= outside
         self.sampler = Sampler(seed)
         self.spec_config = SpeculativeConfig.from_any(speculative_config)
         self.proposer = self._make_proposer(num_kv_blocks, num_threads)

@@ -316,7 +316,7 @@ class OpenAIServer:
         in the log rather than silently served at its default."""
         if body.model is not None and body.model != self.service.model_name:
             raise NotFound(f"model {body.model!r} does not exist; this server serves {self.service.model_name!r}")
-        ignored = list(body.model_extra or ())
+        ignored = [name for name in body.model_extra or () if name not in oa.CHECKED_EXTRAS]
         options = getattr(body, "stream_options", None)
         if options is not None and options.model_extra:
             ignored += [f"stream_options.{name}" for name in options.model_extra]
@@ -540,7 +540,9 @@ class ResponseFormat:
         def text(t, lp):
             if lp is not None and lp.decoded_token is not None:
                 return lp.decoded_token
-            return tok.decode([t], skip_special_tokens=False) if tok else str(t)
+            # the token's own bytes as text (a SentencePiece token keeps its space, which decoding
+            # it alone strips; QA): the tokens join to the text, and text_offset follows it
+            return tok.token_bytes(t).decode("utf-8", "replace") if tok else str(t)
 
         positions = [] if self.echo_only else position_logprobs(o.token_ids, o.logprobs)
         if self.kind == "chat":

@@ -35,6 +35,9 @@ class StreamOptions(BaseModel):
 #: are; ``function_call`` "none" / "auto" ask for nothing and are accepted.
 CONSTRAINING_EXTRAS = ("functions", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                        "structured_outputs")
+#: Request fields outside a route's declared ones that it reads (refused or accepted), so not
+#: logged as ignored (QA: an accepted ``function_call: "auto"`` was).
+CHECKED_EXTRAS = CONSTRAINING_EXTRAS + ("function_call", "response_format")
 
 
 class _Sampling(BaseModel):
