@@ -202,7 +202,10 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     _log(f"{cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
          f"{cfg.num_heads}/{cfg.num_kv_heads} kv, {cfg.num_parameters / 1e6:.1f} M parameters "
          f"({time.time() - t0:.1f} s)")
-    os.makedirs(output, exist_ok=True)
+    try:
+        os.makedirs(output, exist_ok=True)
+    except OSError as e:   # (QA: the bare OSError named neither the option nor why)
+        raise ValueError(f"--output {output!r}: cannot create the engine directory ({e.strerror})") from None
     # engine.json is written last: a build stopped part way over an older engine leaves no
     # manifest, so the directory reads as unfinished ("engine.json is missing"), not as the old engine
     _remove_previous_build(output)

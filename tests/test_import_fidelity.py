@@ -215,3 +215,24 @@ def test_gguf_end_of_turn_ids_end_generation_as_in_llama_cpp(tmp_path):
     config = config_from_gguf(_gguf(str(tmp_path / "a.gguf"), token_ids={"eos": 7, "eot": 9, "eom": 7}))
     assert config.eos_token_ids == [7, 9]
     assert config_from_gguf(_gguf(str(tmp_path / "b.gguf"))).eos_token_ids == []
+
+
+def test_build_output_and_checkpoint_errors_name_the_option(tmp_path):
+    """One clear error, naming the option, where the build once wrote into the checkpoint
+    (``--output`` = ``--model``), failed on a bare OSError (an output it cannot create) or only
+    said "no *.safetensors" of a directory holding a pickle checkpoint (never loaded) (QA)."""
+    from builder.build import BuildConfig, build_engine
+    from builder.model_config import UnsupportedModelError
+
+    model = _tiny_llama_dir(tmp_path / "hf", {})
+    options = BuildConfig(max_seq_len=64, max_num_batched_tokens=64, max_num_seqs=4, block_size=8)
+    with pytest.raises(ValueError, match="--output .* is the --model directory"):
+        build_engine(model, model, options)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="--output .*a-file/engine.*: cannot create the engine directory"):
+        build_engine(model, str(tmp_path / "a-file" / "engine"), options)
+    (tmp_path / "pickle").mkdir()
+    (tmp_path / "pickle" / "config.json").write_text(json.dumps(LLAMA))
+    (tmp_path / "pickle" / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    with pytest.raises(UnsupportedModelError, match=r"found pytorch_model.bin: pickle checkpoints are never loaded"):
+        build_engine(str(tmp_path / "pickle"), str(tmp_path / "engine"), options)
