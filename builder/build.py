@@ -209,6 +209,9 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     # engine.json is written last: a build stopped part way over an older engine leaves no
     # manifest, so the directory reads as unfinished ("engine.json is missing"), not as the old engine
     _remove_previous_build(output)
+    # first, in seconds: a tokenizer that cannot be converted fails the build before any graph is written
+    tokenizer_files = loaded.tokenizer_saver(output) if loaded.tokenizer_saver else []
+    _log(f"tokenizer files: {tokenizer_files or 'none (token-id prompts only)'}")
     quantized = quantize_model(loaded, bc.quantization, bc.quant_block_size, bc.quant_symmetric,
                                bc.quantize_lm_head, bc.accuracy_level, log=_log,
                                activation_planes=bc.activation_planes or 2)
@@ -245,8 +248,6 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         limits = ProfileLimits(bc.max_num_seqs, bc.max_num_batched_tokens, bc.max_seq_len, bc.block_size)
         tensorrt = compile_engine(output, bc.backend, bc.dtype, limits, (cfg.num_kv_heads, cfg.head_dim),
                                   cfg.num_layers, log=_log, kv_cache_dtype=bc.kv_cache_dtype)
-    tokenizer_files = loaded.tokenizer_saver(output) if loaded.tokenizer_saver else []
-    _log(f"tokenizer files: {tokenizer_files or 'none (token-id prompts only)'}")
 
     manifest = {
         "format_version": ENGINE_FORMAT_VERSION,
