@@ -408,6 +408,10 @@ def config_from_gguf(reader) -> ModelConfig:
     if vocab is None:
         raise UnsupportedModelError(f"the vocabulary size is unknown: neither {arch}.vocab_size nor "
                                     "tokenizer.ggml.tokens is in the file")
+    if tokens is not None and len(tokens.data) > int(vocab):   # (QA: accepted without a word)
+        warnings.warn(f"the tokenizer has {len(tokens.data)} tokens but the model {int(vocab)} "
+                      f"({arch}.vocab_size): prompts holding ids past {int(vocab) - 1} will be refused",
+                      stacklevel=3)
     names = {t.name for t in reader.tensors}
     head_dim = int(g("attention.key_length", hidden // heads))
     rope_dims = g("rope.dimension_count")

@@ -236,3 +236,25 @@ def test_build_output_and_checkpoint_errors_name_the_option(tmp_path):
     (tmp_path / "pickle" / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
     with pytest.raises(UnsupportedModelError, match=r"found pytorch_model.bin: pickle checkpoints are never loaded"):
         build_engine(str(tmp_path / "pickle"), str(tmp_path / "engine"), options)
+
+
+def test_gguf_tokenizer_larger_than_the_vocabulary_warns(tmp_path):
+    """A GGUF whose tokenizer lists more tokens than ``vocab_size`` (the embedding's rows): the
+    build says so (QA: accepted without a word; such prompt ids are refused per request)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from builder.loaders import config_from_gguf
+
+    path = str(tmp_path / "a.gguf")
+    w = GGUFWriter(path, "llama")
+    for add, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 64),
+                       ("feed_forward_length", 96), ("head_count", 4), ("vocab_size", 256)):
+        getattr(w, f"add_{add}")(value)
+    w.add_token_list([f"t{i}" for i in range(300)])
+    w.add_tensor("token_embd.weight", np.zeros((256, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.warns(UserWarning, match="the tokenizer has 300 tokens but the model 256"):
+        assert config_from_gguf(GGUFReader(path)).vocab_size == 256
