@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -204,8 +205,10 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
          f"({time.time() - t0:.1f} s)")
     try:
         os.makedirs(output, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output):   # writable (root's os.access says so of /proc)
+            pass
     except OSError as e:   # (QA: the bare OSError named neither the option nor why)
-        raise ValueError(f"--output {output!r}: cannot create the engine directory ({e.strerror})") from None
+        raise ValueError(f"--output {output!r}: cannot write the engine directory there ({e.strerror})") from None
     # engine.json is written last: a build stopped part way over an older engine leaves no
     # manifest, so the directory reads as unfinished ("engine.json is missing"), not as the old engine
     _remove_previous_build(output)

@@ -229,7 +229,7 @@ def test_build_output_and_checkpoint_errors_name_the_option(tmp_path):
     with pytest.raises(ValueError, match="--output .* is the --model directory"):
         build_engine(model, model, options)
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ValueError, match="--output .*a-file/engine.*: cannot create the engine directory"):
+    with pytest.raises(ValueError, match="--output .*a-file/engine.*: cannot write the engine directory there"):
         build_engine(model, str(tmp_path / "a-file" / "engine"), options)
     (tmp_path / "pickle").mkdir()
     (tmp_path / "pickle" / "config.json").write_text(json.dumps(LLAMA))
@@ -258,3 +258,28 @@ def test_gguf_tokenizer_larger_than_the_vocabulary_warns(tmp_path):
     w.close()
     with pytest.warns(UserWarning, match="the tokenizer has 300 tokens but the model 256"):
         assert config_from_gguf(GGUFReader(path)).vocab_size == 256
+
+
+def test_sentencepiece_logprob_tokens_keep_their_leading_space(tmp_path):
+    """A logprob's ``decoded_token`` is the token's own text: a SentencePiece word with its
+    leading space, which decoding it alone strips (QA: the HTTP server's tokens then did not
+    join to the text). A tiny Llama over a SentencePiece-style tokenizer, steered to one word."""
+    import transformers
+
+    from builder.build import BuildConfig, build_engine
+    from tests.test_detokenizer import sentencepiece_tokenizer
+    from trtllm_lite import LLM, SamplingParams
+
+    config = transformers.LlamaConfig(vocab_size=262, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=1, intermediate_size=96, max_position_embeddings=64,
+                                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    sentencepiece_tokenizer(tmp_path / "hf")
+    engine = build_engine(str(tmp_path / "hf"), str(tmp_path / "e"),
+                          BuildConfig(max_seq_len=64, max_num_batched_tokens=64, max_num_seqs=4, block_size=8))
+    llm = LLM(engine, num_threads=1, verify_checksums=False)
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0, logprobs=1, logit_bias={260: 100.0},
+                                                 ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == [260] * 3 and out.text == " world world world"
+    assert "".join(step[t].decoded_token for step, t in zip(out.logprobs, out.token_ids)) == out.text

@@ -117,14 +117,20 @@ class Tokenizer:
         return {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
 
     @functools.cached_property
+    def _decoder_json(self) -> str:
+        return json.dumps(json.loads(self.hf.to_str()).get("decoder"), ensure_ascii=False)
+
+    @functools.cached_property
     def _byte_level(self) -> bool:
-        return type(self.hf.decoder).__name__ == "ByteLevel"
+        """Whether the decoder maps GPT-2's byte alphabet back to bytes (ByteLevel, alone or in
+        a Sequence)."""
+        return '"ByteLevel"' in self._decoder_json
 
     @functools.cached_property
     def _metaspace(self) -> bool:
         """Whether the decoder turns SentencePiece's "\u2581" into spaces (Metaspace, or a
         Replace step: what transformers makes of a GGUF's llama tokenizer)."""
-        return "\u2581" in json.dumps(json.loads(self.hf.to_str()).get("decoder"), ensure_ascii=False)
+        return "\u2581" in self._decoder_json
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's template.

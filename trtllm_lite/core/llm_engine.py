@@ -574,7 +574,10 @@ class LLMEngine:
                 top_logprobs(log_softmax(rows[j:j + 1].astype(np.float32))[0], token, n), token))
 
     def _logprob_dict(self, lp: TokenLogprobs, token: int) -> dict[int, Logprob]:
-        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)
+        # the token's own bytes as text: a SentencePiece token keeps the space that decoding it
+        # alone strips (QA), so the tokens join to the text; part of a character is U+FFFD
+        tok = self.tokenizer
+        decode = (lambda t: tok.token_bytes(t).decode("utf-8", "replace")) if tok else (lambda t: None)
         out = {int(t): Logprob(float(v), i + 1, decode(int(t))) for i, (t, v) in enumerate(zip(lp.token_ids, lp.logprobs))}
         if token not in out:
             out[token] = Logprob(lp.logprob, lp.rank, decode(token))

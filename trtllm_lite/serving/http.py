@@ -12,6 +12,7 @@ and the tokenizer routes), 404 unknown model, 429 waiting queue full, 503 shutti
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import math
@@ -316,7 +317,8 @@ class OpenAIServer:
         in the log rather than silently served at its default."""
         if body.model is not None and body.model != self.service.model_name:
             raise NotFound(f"model {body.model!r} does not exist; this server serves {self.service.model_name!r}")
-        ignored = [name for name in body.model_extra or () if name not in oa.CHECKED_EXTRAS]
+        checked = getattr(body, "checked_extras", ())   # (sampling requests read some extras)
+        ignored = [name for name in body.model_extra or () if name not in checked]
         options = getattr(body, "stream_options", None)
         if options is not None and options.model_extra:
             ignored += [f"stream_options.{name}" for name in options.model_extra]
@@ -515,7 +517,7 @@ class ResponseFormat:
         self.prompt_texts = prompt_texts
         # echo with max_tokens 0: the prompt alone; the one token generated is left out
         self.echo_only = kind == "text" and getattr(body, "echo_only", False)
-        self._text_offsets: dict[int, int] = {}   # choice index -> its logprobs' text so far (streaming)
+        self._text_offsets: dict[int, TextOffsets] = {}   # choice index -> its logprobs' text so far (streaming)
         self.object = "text_completion" if kind == "text" else "chat.completion"
 
     def _base(self, chunk: bool) -> dict:
@@ -558,18 +560,17 @@ class ResponseFormat:
         if echoed is not None and echoed.prompt_logprobs is not None:
             positions = position_logprobs(echoed.prompt_token_ids, echoed.prompt_logprobs) + positions
         tokens, lps, tops, offsets = [], [], [], []
-        offset = self._text_offsets.get(index, 0)
+        counter = self._text_offsets.setdefault(index, TextOffsets())
         for t, lp, top in positions:
             s = text(t, dict(top).get(t))
             # the top `logprobs: N` plus the chosen token, as vLLM caps them: an echoed prompt
             # token holds the top `prompt_logprobs`, which may be more
             top = [(k, v) for i, (k, v) in enumerate(top) if i < self.body.logprobs or k == t]
-            offsets.append(offset)
-            offset += len(s)
+            offsets.append(counter.offset)
+            counter.advance(tok.token_bytes(t) if tok else s.encode())
             tokens.append(s)
             lps.append(_num(lp))
             tops.append({text(k, v): _num(v.logprob) for k, v in top} if top else None)
-        self._text_offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     def _choice(self, index: int, text: str, o, chunk: bool, first: bool = False, echoed=None) -> dict:
@@ -641,6 +642,21 @@ class ResponseFormat:
             if options is not None and options.include_usage and options.continuous_usage_stats:
                 chunk["usage"] = self.usage(accs)   # vLLM's: the counts so far on every chunk
             yield _sse(chunk)
+
+
+class TextOffsets:
+    """Completions' ``text_offset``: where each token starts in the choice's text, in characters.
+    The tokens' bytes are decoded incrementally, so a token that holds part of a character
+    starts at that character, and the tokens after it where they are in the text (QA: counting
+    each token's own text, U+FFFD for part of a character, drifted past such tokens)."""
+
+    def __init__(self):
+        self.offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, token_bytes: bytes) -> None:
+        """Past a token's bytes: the characters they complete."""
+        self.offset += len(self._decoder.decode(token_bytes))
 
 
 def _num(x):

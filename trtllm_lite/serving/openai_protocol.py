@@ -8,7 +8,7 @@ ones are checked by
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,13 +35,14 @@ class StreamOptions(BaseModel):
 #: are; ``function_call`` "none" / "auto" ask for nothing and are accepted.
 CONSTRAINING_EXTRAS = ("functions", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                        "structured_outputs")
-#: Request fields outside a route's declared ones that it reads (refused or accepted), so not
-#: logged as ignored (QA: an accepted ``function_call: "auto"`` was).
-CHECKED_EXTRAS = CONSTRAINING_EXTRAS + ("function_call", "response_format")
 
 
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
+
+    #: fields outside the route's declared ones that it reads (refused or accepted), so not
+    #: logged as ignored (QA: an accepted ``function_call: "auto"`` was)
+    checked_extras: ClassVar[tuple[str, ...]] = CONSTRAINING_EXTRAS + ("response_format",)
 
     model_config = ConfigDict(extra="allow", strict=True)   # (unknown fields: logged, ignored)
 
@@ -183,6 +184,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
+
+    checked_extras: ClassVar[tuple[str, ...]] = CONSTRAINING_EXTRAS + ("function_call",)
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
