@@ -113,3 +113,17 @@ def test_byte_fallback_token_that_is_not_utf8_then_a_word_does_not_raise(tmp_pat
                         ([1, 259], [3 + 0x41, 3 + 0xFF, 3 + 0x80, 260, 3 + 0x42, 261])):
         text = "".join(stream(t, prompt, ids))
         assert text.count("world") == 1 and text.count("foo") == 1 and text.endswith(" foo"), (ids, text)
+
+
+def test_prompt_ending_inside_a_character_does_not_repeat_the_prompt(tmp_path):
+    """Token-id prompts can end inside a UTF-8 character: its remaining bytes come out first.
+    The stream was primed with the partial character and its first delta repeated the prompt's
+    text ("Hi 日本" for "本" after a prompt ending in 日's first byte; QA). Now the character,
+    finished by the output, comes out once, and nothing of the prompt before it."""
+    tok, _, _ = byte_level_tokenizer(tmp_path, [])
+    data = "Hi \u65e5\u672c".encode()           # byte tokens: each id is its byte
+    for cut in (4, 5):                           # inside 日 (3 bytes, from index 3)
+        d = IncrementalDetokenizer(tok, list(data[:cut]), skip_special_tokens=True)
+        assert "".join(d.step(b) for b in data[cut:]) == "\u65e5\u672c"
+    d = IncrementalDetokenizer(tok, list(data[:3]), skip_special_tokens=True)   # on a boundary
+    assert "".join(d.step(b) for b in data[3:]) == "\u65e5\u672c"

@@ -638,6 +638,22 @@ def test_text_offset_counts_characters_past_tokens_that_split_one(oai, stream):
             assert text[offset:offset + len(token)] == token, (token, offset, text)
 
 
+def test_text_offset_and_echo_with_special_tokens(oai, smollm2_llm):
+    """A token-id prompt is echoed with its special tokens' text (as vLLM echoes it), so its
+    offsets line up; a generated special token that the text leaves out (skip_special_tokens)
+    takes no room in it (QA: each shifted every later offset)."""
+    ids = smollm2_llm.tokenizer.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)
+    choice = oai.completions.create(model="smollm2", prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                    logprobs=1).choices[0]
+    assert choice.text.startswith("<|im_start|>user\nhi<|im_end|>")
+    for token, offset in zip(choice.logprobs.tokens[:len(ids)], choice.logprobs.text_offset):
+        assert choice.text[offset:offset + len(token)] == token
+    special = smollm2_llm.tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]
+    choice = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
+                                    logprobs=1, logit_bias={str(special): 100}).choices[0]
+    assert choice.text == PROMPT and choice.logprobs.text_offset[-3:] == [len(PROMPT)] * 3
+
+
 def test_completions_function_call_is_logged_as_ignored(server):
     """Chat reads ``function_call``; completions do not, so there it is an ignored field the
     log names (QA: the chat route's exemption hid it on completions too)."""

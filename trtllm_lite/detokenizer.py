@@ -25,7 +25,27 @@ class IncrementalDetokenizer:
         self.context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.output_ids: list[int] = []
         self.pending = 0           # output_ids[pending:]: tokens whose text was not returned yet
-        self.stream = self._new_stream(self.context)
+        # a prompt that ends inside a character (token ids: QA) primes the stream up to that
+        # character, then steps the tokens holding its first bytes: primed with them, the first
+        # delta repeated the prompt's text; stepped, the character comes out once completed
+        whole = len(self.context) - self._tokens_of_incomplete_tail(self.context)
+        self.stream = self._new_stream(self.context[:whole])
+        try:
+            for token in self.context[whole:]:
+                self.stream.step(tokenizer.hf, token)
+        except Exception:  # noqa: BLE001 - (as in step) the partial character is dropped
+            self.stream = self._new_stream(self.context[:whole])
+
+    def _tokens_of_incomplete_tail(self, ids: list[int]) -> int:
+        """How many of the last ``ids`` hold the first bytes of a UTF-8 character that their
+        text ends inside (0 when it ends on a whole character)."""
+        pieces = [self.tokenizer.token_bytes(t) for t in ids]
+        missing = _incomplete_utf8_tail(b"".join(pieces))
+        count = 0
+        while missing > 0 and count < len(pieces):
+            count += 1
+            missing -= len(pieces[-count])
+        return count
 
     def _new_stream(self, ids: list[int]) -> DecodeStream:
         try:
@@ -58,3 +78,14 @@ class IncrementalDetokenizer:
         # (past the common start: where invalid bytes end the context, its replacement characters
         # may differ in number once more bytes follow)
         return full[len(os.path.commonprefix([base, full])):]
+
+
+def _incomplete_utf8_tail(data: bytes) -> int:
+    """Bytes at the end of ``data`` that begin a UTF-8 character without finishing it (0-3)."""
+    for i in range(1, min(3, len(data)) + 1):
+        byte = data[-i]
+        if byte & 0xC0 == 0x80:     # a continuation byte: look further back for the lead
+            continue
+        needed = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
+        return i if needed > i else 0
+    return 0

@@ -113,12 +113,19 @@ class Tokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8", "replace")
 
     @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special tokens (those ``skip_special_tokens`` leaves out of a text)."""
+        return frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
+
+    @functools.cached_property
     def _added_tokens(self) -> dict[int, str]:
         return {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
 
     @functools.cached_property
     def _decoder_json(self) -> str:
-        return json.dumps(json.loads(self.hf.to_str()).get("decoder"), ensure_ascii=False)
+        """The decoder's JSON (its own state: ~36 us, where the whole tokenizer's took ~58 ms)."""
+        decoder = self.hf.decoder
+        return json.dumps(json.loads(decoder.__getstate__()), ensure_ascii=False) if decoder is not None else "null"
 
     @functools.cached_property
     def _byte_level(self) -> bool:

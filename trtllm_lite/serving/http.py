@@ -468,8 +468,10 @@ class OpenAIServer:
                     # held places in the queue that other clients were refused meanwhile (QA)
                     raise QueueFullError(f"waiting queue has room for {max(limit - waiting, 0)} requests, "
                                          f"and prompt has {len(prompts)} prompts")
-                texts = [p if isinstance(p, str) else self.service.tokenizer.decode(p) for p in prompts] \
-                    if body.echo else None
+                # a token-id prompt echoed with its special tokens' text, as vLLM echoes it and as
+                # its logprobs' text_offset counts them (QA: skipped, every offset after one drifted)
+                texts = [p if isinstance(p, str) else self.service.tokenizer.decode(p, skip_special_tokens=False)
+                         for p in prompts] if body.echo else None
                 rooms = [None] * len(prompts)
                 if body.max_tokens is None:   # a null max_tokens: what is left after each prompt (vLLM)
                     prompts = [await self.service.prepare(self.service.tokenize_text, p, size=tokenizing_size([p]),
@@ -557,17 +559,21 @@ class ResponseFormat:
                         for k, v in top][:self.body.top_logprobs or 0]
                 content.append({"token": s, "logprob": _num(lp), "bytes": raw(t, s), "top_logprobs": alts})
             return {"content": content}
+        generated = len(positions)
         if echoed is not None and echoed.prompt_logprobs is not None:
             positions = position_logprobs(echoed.prompt_token_ids, echoed.prompt_logprobs) + positions
+        # generated special tokens the text leaves out (skip_special_tokens) take no room in it
+        skipped = tok.special_token_ids if tok and self.body.skip_special_tokens is not False else frozenset()
         tokens, lps, tops, offsets = [], [], [], []
         counter = self._text_offsets.setdefault(index, TextOffsets())
-        for t, lp, top in positions:
+        for position, (t, lp, top) in enumerate(positions):
             s = text(t, dict(top).get(t))
             # the top `logprobs: N` plus the chosen token, as vLLM caps them: an echoed prompt
             # token holds the top `prompt_logprobs`, which may be more
             top = [(k, v) for i, (k, v) in enumerate(top) if i < self.body.logprobs or k == t]
             offsets.append(counter.offset)
-            counter.advance(tok.token_bytes(t) if tok else s.encode())
+            in_text = not (t in skipped and position >= len(positions) - generated)
+            counter.advance((tok.token_bytes(t) if tok else s.encode()) if in_text else b"")
             tokens.append(s)
             lps.append(_num(lp))
             tops.append({text(k, v): _num(v.logprob) for k, v in top} if top else None)
