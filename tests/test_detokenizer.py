@@ -127,3 +127,19 @@ def test_prompt_ending_inside_a_character_does_not_repeat_the_prompt(tmp_path):
         assert "".join(d.step(b) for b in data[cut:]) == "\u65e5\u672c"
     d = IncrementalDetokenizer(tok, list(data[:3]), skip_special_tokens=True)   # on a boundary
     assert "".join(d.step(b) for b in data[3:]) == "\u65e5\u672c"
+
+
+def test_context_window_starting_inside_a_character_garbles_nothing(tmp_path):
+    """The stream is primed with the prompt's last few tokens; where they began inside a
+    character (an emoji's byte tokens), its stray bytes decoded as U+FFFD and a byte-fallback
+    decoder turned the output's byte tokens into U+FFFD too ("é" came out as six; QA). The
+    window now starts on a character's first byte."""
+    t = sentencepiece_tokenizer(tmp_path)
+    as_bytes = lambda text: [3 + b for b in text.encode()]  # noqa: E731 - byte-fallback ids
+    prompt = [1, 259] + as_bytes("\U0001F600!")
+    output = as_bytes("\u00e9") + [260] + as_bytes("\u65e5") + [261]
+    assert "".join(stream(t, prompt, output)) == "\u00e9 world\u65e5 foo"
+    (tmp_path / "bpe").mkdir()
+    b, _, _ = byte_level_tokenizer(tmp_path / "bpe", [])
+    data = "\n\u00fc\u8a9e\uc5b4".encode()       # the window's first tokens continue 語
+    assert "".join(stream(b, list(data[:-1]), list(data[-1:]))) == "\uc5b4"

@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.context = self._window(list(prompt_token_ids))
         self.output_ids: list[int] = []
         self.pending = 0           # output_ids[pending:]: tokens whose text was not returned yet
         # a prompt that ends inside a character (token ids: QA) primes the stream up to that
@@ -35,6 +35,22 @@ class IncrementalDetokenizer:
                 self.stream.step(tokenizer.hf, token)
         except Exception:  # noqa: BLE001 - (as in step) the partial character is dropped
             self.stream = self._new_stream(self.context[:whole])
+
+    def _window(self, ids: list[int]) -> list[int]:
+        """The last ~PROMPT_CONTEXT_TOKENS of ``ids``, starting on a character's first byte: a
+        window that starts inside a character decodes its stray bytes as U+FFFD, and byte-fallback
+        decoders then garble every byte token after them (QA: an output's "é" came out as six
+        U+FFFD). Reaches back up to as many tokens again for that start, else starts after it."""
+        start, earliest = max(0, len(ids) - PROMPT_CONTEXT_TOKENS), max(0, len(ids) - 2 * PROMPT_CONTEXT_TOKENS)
+        while start > earliest and self._continues_a_character(ids[start]):
+            start -= 1
+        while start < len(ids) and self._continues_a_character(ids[start]):
+            start += 1
+        return ids[start:]
+
+    def _continues_a_character(self, token_id: int) -> bool:
+        data = self.tokenizer.token_bytes(token_id)
+        return bool(data) and data[0] & 0xC0 == 0x80
 
     def _tokens_of_incomplete_tail(self, ids: list[int]) -> int:
         """How many of the last ``ids`` hold the first bytes of a UTF-8 character that their
@@ -64,14 +80,14 @@ class IncrementalDetokenizer:
             # tokenizer's <0xE2> then '\u2581word' ended the request, and the build's compile check):
             # the tokens not returned yet decoded after their context, and a stream primed afresh
             delta = self._decode_pending()
-            self.stream = self._new_stream((self.context + self.output_ids)[-PROMPT_CONTEXT_TOKENS:])
+            self.stream = self._new_stream(self._window(self.context + self.output_ids))
         if delta:
             self.pending = len(self.output_ids)
         return delta
 
     def _decode_pending(self) -> str:
         hf, skip = self.tokenizer.hf, self.skip_special_tokens
-        before = (self.context + self.output_ids[:self.pending])[-PROMPT_CONTEXT_TOKENS:]
+        before = self._window(self.context + self.output_ids[:self.pending])
         new = self.output_ids[self.pending:]
         base = hf.decode(before, skip_special_tokens=skip)
         full = hf.decode(before + new, skip_special_tokens=skip)
