@@ -283,3 +283,41 @@ def test_sentencepiece_logprob_tokens_keep_their_leading_space(tmp_path):
                                                  ignore_eos=True))[0].outputs[0]
     assert out.token_ids == [260] * 3 and out.text == " world world world"
     assert "".join(step[t].decoded_token for step, t in zip(out.logprobs, out.token_ids)) == out.text
+
+
+def test_gguf_tokenizer_that_cannot_be_converted_fails_first_naming_it(tmp_path):
+    """A GGUF whose tokenizer transformers cannot convert (here "gpt2" without its token
+    scores) is one error naming ``--model`` and ``tokenizer.ggml.model`` (any exception from
+    the conversion: tokenizers raises bare Exceptions, once a traceback), and, the tokenizer
+    being converted first, no graph or weights file is left in ``--output`` (QA: a half-written
+    engine directory)."""
+    from gguf import GGUFWriter
+
+    from builder.build import BuildConfig, build_engine
+    from builder.model_config import UnsupportedModelError
+
+    path = str(tmp_path / "tiny.gguf")
+    w = GGUFWriter(path, "llama")
+    for add, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 64),
+                       ("feed_forward_length", 96), ("head_count", 4), ("head_count_kv", 2), ("vocab_size", 259)):
+        getattr(w, f"add_{add}")(value)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581w{i}" for i in range(256)])
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (259, 64), "output_norm.weight": (64,), "blk.0.attn_norm.weight": (64,),
+              "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64), "blk.0.attn_v.weight": (32, 64),
+              "blk.0.attn_output.weight": (64, 64), "blk.0.ffn_norm.weight": (64,),
+              "blk.0.ffn_gate.weight": (96, 64), "blk.0.ffn_up.weight": (96, 64), "blk.0.ffn_down.weight": (64, 96)}
+    for name, shape in shapes.items():
+        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / "engine"
+    with pytest.raises(UnsupportedModelError, match=r"--model .*tiny.gguf.*cannot convert its tokenizer "
+                                                    r"\(tokenizer.ggml.model 'gpt2'\)"):
+        build_engine(path, str(out), BuildConfig(max_seq_len=64, max_num_batched_tokens=64, max_num_seqs=4,
+                                                 block_size=8))
+    assert not [f for f in os.listdir(out) if f.endswith((".onnx", ".bin"))]
