@@ -7,6 +7,7 @@ tokenizers drop a leading space at the start of a text otherwise).
 """
 from __future__ import annotations
 
+import codecs
 import os
 
 from tokenizers.decoders import DecodeStream
@@ -97,11 +98,8 @@ class IncrementalDetokenizer:
 
 
 def _incomplete_utf8_tail(data: bytes) -> int:
-    """Bytes at the end of ``data`` that begin a UTF-8 character without finishing it (0-3)."""
-    for i in range(1, min(3, len(data)) + 1):
-        byte = data[-i]
-        if byte & 0xC0 == 0x80:     # a continuation byte: look further back for the lead
-            continue
-        needed = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
-        return i if needed > i else 0
-    return 0
+    """Bytes at the end of ``data`` that begin a UTF-8 character without finishing it (0-3):
+    what Python's incremental UTF-8 decoder holds back for more input."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data)
+    return len(decoder.getstate()[0])

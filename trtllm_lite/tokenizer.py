@@ -115,11 +115,15 @@ class Tokenizer:
     @functools.cached_property
     def special_token_ids(self) -> frozenset[int]:
         """Ids of the special tokens (those ``skip_special_tokens`` leaves out of a text)."""
-        return frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
+        return frozenset(i for i, t in self._added_tokens_decoder.items() if t.special)
 
     @functools.cached_property
     def _added_tokens(self) -> dict[int, str]:
-        return {i: t.content for i, t in self.hf.get_added_tokens_decoder().items()}
+        return {i: t.content for i, t in self._added_tokens_decoder.items()}
+
+    @functools.cached_property
+    def _added_tokens_decoder(self) -> dict:
+        return self.hf.get_added_tokens_decoder()
 
     @functools.cached_property
     def _decoder_json(self) -> str:
