@@ -383,6 +383,7 @@ def test_client_leaving_a_non_streamed_request_frees_blocks(server, grpc_client)
     ({"prompt": "Hi", "logit_bias": {"+5": 1}}, 400, "logit_bias"),
     ({"prompt": "Hi", "logit_bias": {"05": 1}}, 400, "logit_bias"),
     ({"prompt": "Hi", "logit_bias": {"1_0": 1}}, 400, "logit_bias"),
+    ({"prompt": "Hi", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),   # past int()'s 4300 digits (QA)
     ({"prompt": "Hi", "model": "gpt-4"}, 404, None),
     ({}, 400, "prompt"),
     # without stream there is no stream to configure: OpenAI and vLLM refuse it (QA 16b)

@@ -96,6 +96,9 @@ class _Sampling(BaseModel):
             if key is not None:
                 raise ValueError(f"logit_bias keys must be token ids as decimal digits (\"5\", no sign, "
                                  f"space or leading zero), got {key!r}")
+            key = next((k for k in self.logit_bias if len(k) > 19), None)   # (QA: int() refuses 4300+ digits)
+            if key is not None:
+                raise ValueError(f"logit_bias token id {key[:24]}... ({len(key)} digits) is outside the vocabulary")
             bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return dict(n=self.n, temperature=self.temperature, top_p=self.top_p, stop=stop, seed=self.seed,
