@@ -4,7 +4,9 @@ Order, as in vLLM: logit bias -> min_tokens (EOS / stop tokens forbidden) -> bad
 (repetition over prompt + output; presence and frequency over output) -> greedy rows take
 the argmax; sampled rows: temperature -> top-k -> softmax -> top-p (Holtzman et al. 2019)
 -> min-p (Nguyen et al. 2024) -> inverse-CDF sampling with one uniform draw per row. A
-seeded request draws from its own generator, so its tokens do not depend on the batch.
+seeded request draws from its own generator, so its draws do not depend on the batch (its
+logits can, in their last bits: the GEMMs' summation order follows the batch's shape, so a draw
+in a distribution's tail can rarely pick another token; the engine is not batch-invariant).
 Logprobs are those of the distribution actually sampled from (after every rule above).
 """
 from __future__ import annotations
