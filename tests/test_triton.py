@@ -318,7 +318,7 @@ def test_cancelled_stream_frees_its_blocks_and_server_keeps_serving(server, smol
     (dict(num_return_sequences=0), "input tensor 'num_return_sequences': n must be"),   # the tensor sent
     (dict(max_tokens=0), "max_tokens"),
     (dict(prompt=b"\xff\xfe not utf-8"), "UTF-8"),
-    (dict(prompt="hello " * 300), "max_seq_len"),
+    (dict(prompt="hello " * 300), "input tensor 'text_input': prompt has"),   # the engine's check, named
     (dict(cache_salt=b""), "cache_salt"),           # the salt reaches the engine, which refuses an empty one
 ])
 def test_bad_parameter_fails_that_request_only(server, tiny_llm, extra, expected):

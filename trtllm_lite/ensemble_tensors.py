@@ -117,6 +117,7 @@ OUTPUTS_BY_NAME = {t.name: t for t in OUTPUTS}
 PARAM_TENSORS: dict[str, str] = {
     **{t.param: t.name for t in INPUTS if t.param is not None},
     "stop_token_ids": "end_id", "logit_bias": "embedding_bias_weights", "logprobs": "return_log_probs",
+    "prompt": "text_input",     # the engine's prompt errors ("prompt has 5000 tokens, more than ...")
 }
 
 
