@@ -528,7 +528,7 @@ def _gguf_raw_linears(reader, config: ModelConfig, permute: bool) -> dict[str, t
 
     Returns ``name -> (tensor type, bytes [out_features, bytes_per_row] uint8)`` for every
     canonical linear weight (and ``embed.weight``) whose GGUF parts all share one quantized
-    type; rows are permuted and concatenated exactly as the float weights are, so
+    type (parts of different quantized types: ``("Q4_K+Q6_K", None)``, the types only); rows are permuted and concatenated exactly as the float weights are, so
     :func:`builder.quantize.from_gguf` maps them onto MatMulNBits without requantizing.
     """
     tensors = {t.name: t for t in reader.tensors}
@@ -544,7 +544,10 @@ def _gguf_raw_linears(reader, config: ModelConfig, permute: bool) -> dict[str, t
     raw = {}
     for name, names in parts.items():
         types = {tensors[n].tensor_type.name for n in names if n in tensors}
-        if len(types) != 1 or len(names) != sum(n in tensors for n in names) or types & {"F32", "F16"}:
+        if not types or len(names) != sum(n in tensors for n in names) or types & {"F32", "F16", "BF16"}:
+            continue
+        if len(types) > 1:     # e.g. a Q4_K_M file's attn_q/attn_k Q4_K beside its attn_v Q6_K
+            raw[name] = ("+".join(sorted(types)), None)
             continue
         arrays = [np.asarray(tensors[n].data) for n in names]
         if permute and name.endswith("qkv.weight"):

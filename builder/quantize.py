@@ -33,6 +33,16 @@ GGUF block layouts (llama.cpp ``ggml-common.h``; 32 weights per block, little-en
     Q8_0  34 bytes: d fp16, qs int8[32]       w[j] = d * qs[j]
     with 4-bit codes q[j] = qs[j] & 15 and q[j + 16] = qs[j] >> 4 for j < 16.
 
+    Q4_K  144 bytes per 256 weights (llama.cpp's k-quants, the Q4_K_M files' main type):
+          d fp16, dmin fp16, scales[12] (eight 6-bit scales sc and mins m), qs[128]
+          sub-block b (32 weights): w[j] = (d * sc[b]) * q[j] - (dmin * m[b]); codes of
+          sub-blocks 2c and 2c + 1 are the low and high nibbles of qs[32 c : 32 c + 32].
+    So a Q4_K sub-block is a Q4_1 block with scale ``d * sc`` and offset ``-dmin * m`` (both
+    exact in float32: 11 x 6 significant bits). Types of more than 4 bits (Q5_0, Q5_1, Q5_K,
+    Q6_K: llama.cpp's "_M" files keep attn_v and ffn_down there) have no 4-bit form; an
+    ``int4`` build gives them 8 bits, from their float values, rather than lose what the file
+    kept (in a file of 4-bit linears; :func:`quantize_model`).
+
 From float weights (:func:`quantize_weight`): symmetric blocks use the signed value of
 largest magnitude ``v`` and ``scale = v / -2 ** (bits - 1)`` (llama.cpp's Q4_0 rule), so
 the full code range is used; asymmetric blocks map ``[min(w, 0), max(w, 0)]`` onto
@@ -56,7 +66,10 @@ import numpy as np
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 BITS = {"int8": 8, "int4": 4}
 W8A8 = "w8a8"   # int8 weights per output channel, int8 activations per token (not weight-only)
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}   # per GGUF_BLOCK_WEIGHTS
+GGUF_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256}
+#: GGUF types that store more than 4 bits a weight: an int4 build keeps them at 8 bits
+GGUF_WIDER_THAN_4_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K")
 GGUF_BLOCK = 32
 
 
@@ -214,19 +227,23 @@ def from_gguf(tensor_type: str, raw: np.ndarray, k: int) -> QuantizedLinear:
     """Map a GGUF quantized weight exactly onto MatMulNBits (block size 32).
 
     Args:
-        tensor_type: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``.
-        raw: the tensor's bytes ``[N, K / 32 * block_bytes]`` uint8 (rows = output features).
-        k: in-features (a multiple of 32).
+        tensor_type: ``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"`` or ``"Q4_K"``.
+        raw: the tensor's bytes ``[N, K / block_weights * block_bytes]`` uint8 (rows = output
+            features; 32 weights a block, 256 for Q4_K).
+        k: in-features (a multiple of the type's block: 32, or 256 for Q4_K).
     Raises:
         ValueError: another tensor type, or a shape that does not match it.
     """
     if tensor_type not in GGUF_BLOCK_BYTES:
         raise ValueError(f"GGUF tensor type {tensor_type} has no exact MatMulNBits mapping; "
                          f"supported: {sorted(GGUF_BLOCK_BYTES)}")
-    n, nb = raw.shape[0], k // GGUF_BLOCK
-    if k % GGUF_BLOCK or raw.shape[1] != nb * GGUF_BLOCK_BYTES[tensor_type]:
+    per_block = GGUF_BLOCK_WEIGHTS[tensor_type]
+    n, nb = raw.shape[0], k // per_block
+    if k % per_block or raw.shape[1] != nb * GGUF_BLOCK_BYTES[tensor_type]:
         raise ValueError(f"{tensor_type} tensor of {raw.shape[1]} bytes per row does not hold K={k}")
     blocks = raw.reshape(n, nb, GGUF_BLOCK_BYTES[tensor_type])
+    if tensor_type == "Q4_K":
+        return _from_q4_k(blocks, n, k)
     if tensor_type == "Q8_0":
         codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return QuantizedLinear(n, k, 8, GGUF_BLOCK, codes, _f16(blocks, 0), source="gguf:Q8_0")
@@ -238,6 +255,24 @@ def from_gguf(tensor_type: str, raw: np.ndarray, k: int) -> QuantizedLinear:
     zero_points = np.zeros(n * -(-nb // 2), np.uint8)
     return QuantizedLinear(n, k, 4, GGUF_BLOCK, pack_codes(codes, 4), _f16(blocks, 0),
                            zero_points, _f16(blocks, 2), source="gguf:Q4_1")
+
+
+def _from_q4_k(blocks: np.ndarray, n: int, k: int) -> QuantizedLinear:
+    """Q4_K super-blocks ``[N, K / 256, 144]`` uint8 as 4-bit blocks of 32 with offsets
+    (module docstring); the 6-bit scales and mins unpacked by gguf-py's own reader."""
+    from gguf.quants import Q4_K
+
+    nsb = k // 256
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)                               # [N, K / 256]
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+    scales = d[..., None] * sc.reshape(n, nsb, 8).astype(np.float32)        # exact in float32
+    offsets = -(dmin[..., None] * m.reshape(n, nsb, 8).astype(np.float32))
+    qs = blocks[..., 16:].reshape(n, nsb, 4, 1, 32)
+    codes = (qs >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & np.uint8(15)   # [N, nsb, 4, 2, 32]
+    nb = nsb * 8
+    zero_points = np.zeros(n * -(-nb // 2), np.uint8)
+    return QuantizedLinear(n, k, 4, GGUF_BLOCK, pack_codes(codes.reshape(n, nb, GGUF_BLOCK), 4), scales.reshape(n, nb),
+                           zero_points, offsets.reshape(n, nb), source="gguf:Q4_K")
 
 
 @dataclass
@@ -302,12 +337,15 @@ def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: b
     ``w8a8``: every linear weight (the lm_head only when ``quantize_lm_head`` is true) to
     :func:`quantize_w8a8` with ``activation_planes``, from its float values. The others:
 
-    A weight the GGUF stores in a type of the requested width (Q4_0/Q4_1 for ``int4``,
+    A weight the GGUF stores in a type of the requested width (Q4_0/Q4_1/Q4_K for ``int4``,
     Q8_0 for ``int8``) is mapped exactly (:func:`from_gguf`, block size 32); any other is
-    block-quantized from its float values (:func:`quantize_weight`). The lm_head (tied
+    block-quantized from its float values (:func:`quantize_weight`). In an ``int4`` build of
+    a 4-bit GGUF (one whose linears include Q4_0/Q4_1/Q4_K), a weight the file keeps in a
+    wider type (:data:`GGUF_WIDER_THAN_4_BITS`) gets 8 bits (a Q8_0 one mapped exactly): a
+    Q4_K_M file's Q6_K attn_v and ffn_down keep their precision. The lm_head (tied
     embedding or not): ``True`` quantizes it, ``False`` keeps it float32, ``None`` (default)
-    quantizes it only when the GGUF stores it in a type that maps exactly (Q8_0, Q4_0, Q4_1
-    at block size 32), so it keeps the very values of the float engine built from that file. 8-bit weights are stored
+    quantizes it only when the GGUF stores it in a type that maps exactly (Q8_0, Q4_0, Q4_1,
+    Q4_K at block size 32), so it keeps the very values of the float engine built from that file. 8-bit weights are stored
     split (:func:`split_8bit`) unless ``accuracy_level`` is 4 (int8 activations) or their K is
     not a multiple of the block.
 
@@ -329,22 +367,27 @@ def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: b
         return out
     bits = BITS[quantization]
     raw = loaded.extra.get("gguf_raw", {})
-    exact = {4: ("Q4_0", "Q4_1"), 8: ("Q8_0",)}[bits]
+    exact = {4: ("Q4_0", "Q4_1", "Q4_K"), 8: ("Q8_0",)}[bits]
     if quantize_lm_head is None:
         head = "embed.weight" if loaded.config.tie_word_embeddings else "lm_head.weight"
-        quantize_lm_head = block_size == GGUF_BLOCK and raw.get(head, (None,))[0] in ("Q8_0", "Q4_0", "Q4_1")
+        quantize_lm_head = block_size == GGUF_BLOCK and raw.get(head, (None,))[0] in GGUF_BLOCK_BYTES
     out, counts = {}, {}
-    for name in linear_weight_names(loaded.config, quantize_lm_head):
+    names = linear_weight_names(loaded.config, quantize_lm_head)
+    mixed = bits == 4 and any(raw.get(name, (None,))[0] in exact for name in names)   # a 4-bit file
+    for name in names:
         kind, data = raw.get(name, (None, None))
         w = loaded.weights[name]
         head_q8 = kind == "Q8_0" and name in ("embed.weight", "lm_head.weight")  # stays 8-bit, exactly
-        if (kind in exact or head_q8) and block_size == GGUF_BLOCK:
+        # a 4-bit file kept this one (or a part of it: "Q4_K+Q6_K", a fused qkv) above 4 bits
+        wider = mixed and any(part in GGUF_WIDER_THAN_4_BITS for part in (kind or "").split("+"))
+        if (kind in exact or head_q8 or wider and kind == "Q8_0") and block_size == GGUF_BLOCK:
             out[name] = from_gguf(kind, data, w.shape[1])
         else:
-            out[name] = quantize_weight(w, bits, block_size, symmetric)
+            out[name] = quantize_weight(w, 8 if wider else bits, block_size, symmetric)
         if out[name].bits == 8 and accuracy_level < 4 and out[name].k % out[name].block_size == 0:
             out[name] = split_8bit(out[name])
-        counts[out[name].source] = counts.get(out[name].source, 0) + 1
+        what = out[name].source + (f" ({kind} in the GGUF: 8-bit)" if wider and kind != "Q8_0" else "")
+        counts[what] = counts.get(what, 0) + 1
     if log:
         log(f"quantized {len(out)} linear weights to {quantization} ("
             + ", ".join(f"{n} from {s}" for s, n in sorted(counts.items())) + ")")

@@ -33,16 +33,32 @@ def random_weight(n=48, k=96, seed=0):
     return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
 
 
+def random_k_quant(kind, n, k, seed=0):
+    """``[n, k]`` weights of llama.cpp k-quant ``kind`` (Q4_K, Q6_K) as raw bytes: random
+    codes, 6-bit scales and mins, with a sane fp16 ``d`` (and ``dmin``); gguf-py reads them
+    but cannot write them."""
+    rng = np.random.default_rng(seed)
+    size, d_at = {"Q4_K": (144, 0), "Q6_K": (210, 208)}[kind]
+    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    blocks[..., d_at:d_at + 2] = np.frombuffer(np.float16(0.02).tobytes(), np.uint8)
+    if kind == "Q4_K":
+        blocks[..., 2:4] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)      # dmin
+    else:
+        blocks[..., 192:208] = rng.integers(-8, 8, (n, k // 256, 16)).astype(np.int8).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def gguf_block(kind, w):
     gtype = GGMLQuantizationType[kind]
-    raw = gguf_quantize(w, gtype)
+    raw = random_k_quant(kind, *w.shape) if kind.endswith("_K") else gguf_quantize(w, gtype)
     return raw, gguf_dequantize(raw, gtype).astype(np.float32)
 
 
-@pytest.mark.parametrize("kind", GGUF_TYPES)
+@pytest.mark.parametrize("kind", GGUF_TYPES + ["Q4_K"])
 def test_gguf_blocks_map_bit_exactly(kind):
-    raw, reference = gguf_block(kind, random_weight())
-    q = from_gguf(kind, raw, 96)
+    k = 512 if kind == "Q4_K" else 96       # Q4_K: super-blocks of 256, as 4-bit blocks of 32 with offsets
+    raw, reference = gguf_block(kind, random_weight(k=k))
+    q = from_gguf(kind, raw, k)
     assert q.block_size == 32 and q.bits == (8 if kind == "Q8_0" else 4)
     np.testing.assert_array_equal(q.dequantize(), reference)
 
@@ -115,13 +131,14 @@ def linear_model(q, accuracy_level=0, ort_ops=True):
     return model
 
 
-CASES = [("gguf", "Q4_0"), ("gguf", "Q4_1"), ("gguf", "Q8_0"), ("split", "Q8_0"), ("split", 8, 64, False),
+CASES = [("gguf", "Q4_0"), ("gguf", "Q4_1"), ("gguf", "Q8_0"), ("gguf", "Q4_K"), ("split", "Q8_0"), ("split", 8, 64, False),
          (4, 16, True), (4, 32, False), (4, 64, True), (4, 128, False), (8, 32, True), (8, 64, False)]
 
 
 def case_weight(case, n=48):
     if case[0] in ("gguf", "split") and isinstance(case[1], str):
-        q = from_gguf(case[1], gguf_block(case[1], random_weight(n, k=128))[0], 128)
+        k = 256 if case[1] == "Q4_K" else 128     # Q4_K's scales d x sc: float32 in the kernel's layout
+        q = from_gguf(case[1], gguf_block(case[1], random_weight(n, k=k))[0], k)
     elif case[0] == "split":
         q = quantize_weight(random_weight(n, k=128), *case[1:])
     else:
@@ -540,6 +557,80 @@ def test_tiny_quantized_engine_matches_hf_on_dequantized_weights(tiny_model, tmp
                                      max_new_tokens=8, do_sample=False,
                                      eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == ref
+
+
+def write_k_quant_gguf(path, kinds):
+    """A tiny random Llama GGUF (hidden 256, 2 layers, vocab 256) whose linears are stored as
+    llama.cpp's Q4_K_M stores them: ``kinds[0]`` for attn_q/k/output and ffn_gate/up,
+    ``kinds[1]`` for attn_v, ffn_down and the (tied) token embedding."""
+    from gguf import GGUFWriter
+
+    hidden, inter, vocab = 256, 512, 256
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_vocab_size(vocab)
+    w.add_layer_norm_rms_eps(1e-5)
+    seed = iter(range(100))
+
+    def add(name, n, k, kind):
+        raw = random_k_quant(kind, n, k, seed=next(seed))
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[kind])
+
+    add("token_embd.weight", vocab, hidden, kinds[1])
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(2):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
+        for name, n, k, kind in (("attn_q", hidden, hidden, 0), ("attn_k", 128, hidden, 0), ("attn_v", 128, hidden, 1),
+                                 ("attn_output", hidden, hidden, 0), ("ffn_gate", inter, hidden, 0),
+                                 ("ffn_up", inter, hidden, 0), ("ffn_down", hidden, inter, 1)):
+            add(p + name + ".weight", n, k, kinds[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.filterwarnings("ignore:.*has no tokenizer")
+def test_k_quant_gguf_builds_exactly(tmp_path):
+    """llama.cpp's k-quants (QA: untested): a Q4_K/Q6_K GGUF's float engine computes what HF
+    transformers computes from the same file; int4 maps Q4_K blocks exactly (logits of the fp32
+    engine of a Q4_K file) and, in a Q4_K_M-style file, keeps the Q6_K weights at 8 bits."""
+    from transformers import AutoModelForCausalLM
+
+    mixed = write_k_quant_gguf(tmp_path / "q4_k_m.gguf", ("Q4_K", "Q6_K"))
+    q4_k = write_k_quant_gguf(tmp_path / "q4_k.gguf", ("Q4_K", "Q4_K"))
+    limits = dict(max_seq_len=128, max_num_batched_tokens=128, max_num_seqs=4, block_size=8)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q4_k_m.gguf", dtype=torch.float32).eval()
+    _, prompts, logits = three_prompts_logits(build(mixed, str(tmp_path / "fp32"), **limits))
+    for row, p in zip(logits, prompts):
+        with torch.no_grad():
+            np.testing.assert_allclose(row, hf(torch.tensor([p])).logits[0, -1].numpy(), rtol=1e-4, atol=1e-4)
+
+    int4 = build(mixed, str(tmp_path / "int4"), quantization="int4", **limits)
+    with open(os.path.join(int4, "engine.json")) as f:
+        sources = json.load(f)["quantization"]["weights"]
+    assert sources["layers.0.gate_up.weight"] == "gguf:Q4_K"
+    assert sources["layers.0.down.weight"] == "float+split"       # Q6_K: 8 bits (split for the kernel)
+    assert sources["layers.0.qkv.weight"] == "float+split"        # Q4_K q/k beside a Q6_K v: 8 bits
+    assert "embed.weight" not in sources                           # a Q6_K lm_head stays float32
+
+    exact_int4 = build(q4_k, str(tmp_path / "q4_k-int4"), quantization="int4", **limits)
+    with open(os.path.join(exact_int4, "engine.json")) as f:
+        assert set(json.load(f)["quantization"]["weights"].values()) == {"gguf:Q4_K"}
+    llm4, prompts, exact = three_prompts_logits(exact_int4)
+    llm, _, reference = three_prompts_logits(build(q4_k, str(tmp_path / "q4_k-fp32"), **limits))
+    np.testing.assert_allclose(exact, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm4.generate(prompts, greedy)] == \
+        [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
 
 
 def decoder_layer_nodes(engine: str, kind: str = "decode") -> int:

@@ -150,8 +150,8 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
 
     ``streamed``: for an engine built at accuracy level 0, whose 4-bit weights the
     ``QuantizedLinear`` kernel reads in its own layout, count that layout (per 16 rows and
-    block: the codes, then 16 scales and 16 offsets, float16 for GGUF weights, float32
-    otherwise, no offsets where all are 0; a split 8-bit weight recombined into 8-bit codes:
+    block: the codes, then 16 scales and 16 offsets, float16 for GGUF Q4_0/Q4_1/Q8_0 weights,
+    float32 otherwise (Q4_K's scales d x sc are not float16 values), no offsets where all are 0; a split 8-bit weight recombined into 8-bit codes:
     ``trtllm_lite/ort_kernels/quantized_linear.cc``), not the engine's tensors (float32 scales
     and offsets, zero points). Otherwise the engine's tensors.
     """
@@ -170,7 +170,8 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
                 32 if sources[weight].startswith("gguf:") else manifest["build"]["quant_block_size"]):
             if part == "qweight":   # 4-bit codes: a QuantizedLinear node (8-bit ones stay MatMulNBits)
                 n, nb, code_bytes = t["shape"]
-                scale_bytes = 2 if sources[weight].startswith("gguf:") else 4
+                # float16 where every value is exact there: GGUF's own fp16 d and m (not Q4_K's d x sc)
+                scale_bytes = 2 if sources[weight].startswith(("gguf:Q4_0", "gguf:Q4_1", "gguf:Q8_0")) else 4
                 scale_planes = 2   # 16 scales, then 16 offsets
                 if sources[weight].endswith("+split"):   # recombined: 8-bit codes over half the blocks
                     nb, code_bytes = nb // 2, 2 * code_bytes
