@@ -497,6 +497,7 @@ def test_chat_takes_openai_text_parts_as_the_http_server_does(smollm2_llm):
     (dict(speculative_config={"method": "ngram", "prompt_lookup_min": "1"}), "prompt_lookup_min"),
     (dict(speculative_config={"method": "ngram", "backoff_probe_interval": 0}), "backoff_probe_interval"),
     (dict(speculative_config={"method": "ngram", "draft_num_kv_blocks": 0}), "draft_num_kv_blocks"),
+    (dict(speculative_config={"method": "ngram", "foo": 1}), "speculative_config: unknown key 'foo'"),  # TypeError (QA)
     # a truthy string turned the feature on (QA 25)
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be a bool"),
     (dict(enable_chunked_prefill="no"), "enable_chunked_prefill must be a bool"),

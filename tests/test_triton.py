@@ -12,7 +12,10 @@ import os
 import queue
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -334,3 +337,39 @@ def test_bad_parameter_fails_that_request_only(server, tiny_llm, extra, expected
         long_run.close()
     assert good_error is None
     assert "".join(texts(good)) == tiny_llm.generate("Once upon a time", greedy(200))[0].outputs[0].text
+
+
+def test_launcher_stops_the_server_on_sigterm(tmp_path, triton_install, tiny_engine):
+    """``python -m trtllm_lite.triton.server`` under a supervisor's SIGTERM: it stopped only on
+    Ctrl-C, and tritonserver with its stub lived on holding the ports (QA)."""
+    from trtllm_lite.triton.server import free_port
+
+    write_model_repository(tiny_engine, tmp_path / "repo", "tiny", {"num_threads": 1, "verify_checksums": False})
+    ports = [free_port() for _ in range(3)]
+    launcher = subprocess.Popen([sys.executable, "-m", "trtllm_lite.triton.server", "--model-repository",
+                                 str(tmp_path / "repo"), "--prefix", str(triton_install.prefix),
+                                 "--grpc-port", str(ports[0]), "--http-port", str(ports[1]),
+                                 "--metrics-port", str(ports[2])],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def ready():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[1]}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        if not wait_for(ready, timeout=240):
+            pytest.skip("the Triton server did not start")
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0
+        assert not ready()
+        for port in ports:   # the server and its stub are gone: every port binds again (past TIME_WAIT)
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", port))
+                s.listen()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)

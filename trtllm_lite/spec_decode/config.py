@@ -62,11 +62,20 @@ class SpeculativeConfig:
 
     @classmethod
     def from_any(cls, value) -> "SpeculativeConfig | None":
-        """Accept None, a SpeculativeConfig, or a dict of its fields."""
+        """Accept None, a SpeculativeConfig, or a dict of its fields.
+
+        Raises:
+            ValueError: a dict key that is not a field (named), or a bad field value.
+            TypeError: ``value`` of another type.
+        """
         if value is None:
             return None
         if isinstance(value, cls):   # checked again: it may have changed since it was made (QA 25)
             return dataclasses.replace(value)
         if isinstance(value, dict):
+            fields = [f.name for f in dataclasses.fields(cls) if f.init]
+            unknown = sorted(str(k) for k in value if k not in fields)
+            if unknown:
+                raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known: {', '.join(fields)}")
             return cls(**value)
         raise TypeError("speculative_config must be a dict or SpeculativeConfig")

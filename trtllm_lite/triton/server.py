@@ -187,30 +187,45 @@ class TritonServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trtllm_lite.triton.server --model-repository REPO``: serve until Ctrl-C."""
+    """``python -m trtllm_lite.triton.server --model-repository REPO``: serve until Ctrl-C or
+    SIGTERM (either stops ``tritonserver`` and its backend stubs). Arguments it does not know
+    go to ``tritonserver`` as they are (e.g. ``--log-verbose=1``)."""
     p = argparse.ArgumentParser(prog="python -m trtllm_lite.triton.server", description=main.__doc__)
-    p.add_argument("--model-repository", required=True)
+    p.add_argument("--model-repository", required=True, help="a directory made by trtllm-lite triton-repo")
     p.add_argument("--prefix", default=None, help="where tools/setup_triton.sh installed the server "
                    "(default: $TRTLLM_LITE_TRITON_HOME or ~/.cache/trtllm-lite/triton)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--host", default="127.0.0.1", help="address of the three endpoints (default: %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="(default: %(default)s)")
+    p.add_argument("--http-port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="(default: %(default)s)")
     args, extra = p.parse_known_args(argv)
-    server = TritonServer(args.model_repository, install=TritonInstall.locate(args.prefix),
-                          host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                          metrics_port=args.metrics_port, extra_args=extra)
-    print(" ".join(server.command()), file=sys.stderr)
-    server.start()
-    print(f"ready: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}",
-          file=sys.stderr)
+    if not os.path.isdir(args.model_repository):
+        p.error(f"--model-repository {args.model_repository!r} is not a directory")
+
+    def on_sigterm(signum, frame):   # a supervisor's stop: end as Ctrl-C does, stopping the server
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    server = None
     try:
+        server = TritonServer(args.model_repository, install=TritonInstall.locate(args.prefix),
+                              host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                              metrics_port=args.metrics_port, extra_args=extra)
+        print(" ".join(server.command()), file=sys.stderr)
+        server.start()
+        print(f"ready: gRPC {server.grpc_url}, HTTP {server.http_url}, metrics {server.metrics_url}",
+              file=sys.stderr)
         server.process.wait()
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, OSError) as e:   # no server install, a server that would not start
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
-        server.stop()
-    return server.process.returncode or 0
+        if server is not None:
+            server.stop()
+        signal.signal(signal.SIGTERM, previous)
+    return (server.process.returncode or 0) if server is not None and server.process is not None else 0
 
 
 if __name__ == "__main__":
