@@ -210,6 +210,14 @@ def test_repository_config_parses_and_is_served(server, smollm2_engine, tmp_path
         parse_option("num_threads", "two")
     with pytest.raises(ValueError, match="unknown parameter 'max_beam_width'"):
         parse_option("max_beam_width", "1")
+    # written as given before (QA): a period of 0 made the model's watcher spin a core
+    with pytest.raises(ValueError, match="cancellation_check_period_ms must be an integer >= 1, got 0"):
+        parse_option("cancellation_check_period_ms", "0")
+    with pytest.raises(ValueError, match="stats_check_period_ms must be an integer >= 1, got -5"):
+        write_model_repository(smollm2_engine, tmp_path, "m", {"stats_check_period_ms": -5})
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        parse_option("seed", "-1")
+    assert parse_option("max_waiting", "0") == 0
 
 
 # -- generation ----------------------------------------------------------------------------
@@ -373,3 +381,15 @@ def test_launcher_stops_the_server_on_sigterm(tmp_path, triton_install, tiny_eng
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_triton_repo_flags_below_their_minimum_are_named(tmp_path, tiny_engine, capsys):
+    """``trtllm-lite triton-repo --cancellation-check-period-ms -5`` wrote the value (QA)."""
+    from trtllm_lite.cli import main
+
+    for flag, value in (("--cancellation-check-period-ms", "-5"), ("--num-threads", "0"), ("--seed", "-1")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["triton-repo", "--engine", tiny_engine, "--output", str(tmp_path / "repo"), flag, value])
+        assert exit_info.value.code == 2
+        assert f"argument {flag}: must be an integer >=" in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()

@@ -24,34 +24,36 @@ from ..ensemble_tensors import CONFIG_DATA_TYPE, INPUTS, OUTPUTS, TensorSpec
 
 @dataclass(frozen=True)
 class Option:
-    """A ``config.pbtxt`` parameter: its type (``int`` / ``bool`` / ``str``) and meaning."""
+    """A ``config.pbtxt`` parameter: its type (``int`` / ``bool`` / ``str``), meaning and, for
+    an ``int``, its least value."""
 
     name: str
     type: type
     help: str
+    minimum: int | None = None
 
 
 #: Parameters passed to ``LLMEngine`` (same names as ``trtllm-lite generate`` / ``serve``).
 ENGINE_OPTIONS: tuple[Option, ...] = (
-    Option("max_num_seqs", int, "most sequences in one step (default: the engine's build value)"),
-    Option("max_num_batched_tokens", int, "token budget of one step (default: build value; CPU backend at most 512)"),
-    Option("max_seq_len", int, "prompt + output tokens at most (default: build value)"),
-    Option("kv_cache_memory_bytes", int, "bytes for the K and V pools (default 1 GiB, capped)"),
-    Option("num_kv_blocks", int, "KV pool size in blocks (overrides kv_cache_memory_bytes)"),
+    Option("max_num_seqs", int, "most sequences in one step (default: the engine's build value)", minimum=1),
+    Option("max_num_batched_tokens", int, "token budget of one step (default: build value; CPU backend at most 512)", minimum=1),
+    Option("max_seq_len", int, "prompt + output tokens at most (default: build value)", minimum=1),
+    Option("kv_cache_memory_bytes", int, "bytes for the K and V pools (default 1 GiB, capped)", minimum=1),
+    Option("num_kv_blocks", int, "KV pool size in blocks (overrides kv_cache_memory_bytes)", minimum=1),
     Option("kv_cache_prefault", bool, "commit the KV pool's memory at start (default true; CPU)"),
     Option("enable_chunked_prefill", bool, "cut long prompts into budget-sized chunks (default true)"),
     Option("enable_prefix_caching", bool, "share KV blocks of equal prompt prefixes (default true)"),
-    Option("max_waiting", int, "waiting requests at most; more are refused (UNAVAILABLE)"),
-    Option("num_threads", int, "ONNX Runtime threads (default: all cores)"),
-    Option("seed", int, "seed of the generator unseeded sampled requests draw from"),
+    Option("max_waiting", int, "waiting requests at most; more are refused (UNAVAILABLE)", minimum=0),
+    Option("num_threads", int, "ONNX Runtime threads (default: all cores)", minimum=1),
+    Option("seed", int, "seed of the generator unseeded sampled requests draw from", minimum=0),
     Option("verify_checksums", bool, "check every engine file's sha256 at load (default true)"),
 )
 #: Parameters of the Triton model itself (TensorRT-LLM backend names).
 MODEL_OPTIONS: tuple[Option, ...] = (
     Option("cancellation_check_period_ms", int,
-           "how often (ms) cancelled requests are looked for and aborted (default 100)"),
+           "how often (ms) cancelled requests are looked for and aborted (default 100)", minimum=1),
     Option("stats_check_period_ms", int,
-           "how often (ms) the nv_trt_llm_* metrics are refreshed (default 100)"),
+           "how often (ms) the nv_trt_llm_* metrics are refreshed (default 100)", minimum=1),
 )
 OPTIONS = {o.name: o for o in ENGINE_OPTIONS + MODEL_OPTIONS}
 
@@ -76,7 +78,8 @@ def parse_option(name: str, value: str):
     """A ``config.pbtxt`` parameter's string value, typed.
 
     Raises:
-        ValueError: unknown name, or a value that is not of the option's type (names both).
+        ValueError: unknown name, a value that is not of the option's type, or an integer
+            below the option's minimum (names both).
     """
     option = OPTIONS.get(name)
     if option is None:
@@ -90,10 +93,19 @@ def parse_option(name: str, value: str):
         raise ValueError(f"parameter {name} must be true or false, got {value!r}")
     if option.type is int:
         try:
-            return int(text)
+            number = int(text)
         except ValueError:
             raise ValueError(f"parameter {name} must be an integer, got {value!r}") from None
+        return check_minimum(option, number)
     return text
+
+
+def check_minimum(option: Option, value: int) -> int:
+    """``value`` if it is at least ``option.minimum``. Raises ``ValueError`` naming the option
+    (a period of 0 ms made the model's watcher spin a core; 0 threads failed at load)."""
+    if option.minimum is not None and value < option.minimum:
+        raise ValueError(f"parameter {option.name} must be an integer >= {option.minimum}, got {value}")
+    return value
 
 
 def _format(value) -> str:
@@ -158,6 +170,11 @@ def write_model_repository(engine_dir: str | os.PathLike, output: str | os.PathL
         raise ValueError(f"model_name must be letters, digits, '_', '-' or '.', got {model_name!r}")
     engine = load_engine_dir(str(engine_dir), verify_checksums=False)
     options = {k: v for k, v in (options or {}).items() if v is not None}
+    for name, value in options.items():
+        if name not in OPTIONS:
+            raise ValueError(f"unknown parameter {name!r}; known: {', '.join(OPTIONS)}")
+        if OPTIONS[name].type is int:
+            check_minimum(OPTIONS[name], value)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
         if name in options and not 1 <= options[name] <= engine.build[name]:
             raise ValueError(f"{name} must be in [1, {engine.build[name]}] (the engine's build value), "
