@@ -337,6 +337,21 @@ def test_model_info_and_tokenizer(client, smollm2_llm):
     assert client.detokenize(ids) == smollm2_llm.tokenizer.decode(ids) == text
 
 
+def test_async_client_has_the_blocking_clients_methods(server, smollm2_llm):
+    """The docs say so; tokenize, detokenize and health were missing (QA)."""
+    public = {n for n in dir(LLMClient) if not n.startswith("_")}
+    assert public <= {n for n in dir(AsyncLLMClient) if not n.startswith("_")}
+
+    async def run():
+        async with AsyncLLMClient(server.grpc, timeout=60) as c:
+            ids = await c.tokenize("Hello, world!")
+            return ids, await c.detokenize(ids), await c.health(), (await c.model_info()).model_name
+
+    ids, text, health, name = asyncio.run(run())
+    assert ids == smollm2_llm.tokenizer.encode("Hello, world!") and text == "Hello, world!"
+    assert (health, name) == ("SERVING", "smollm2")
+
+
 def test_tokenize_of_text_longer_than_any_max_seq_len_tokens_is_refused_untokenized(client):
     """Tokenize bounds text like Generate's prompt: 10 MiB is INVALID_ARGUMENT by its length in
     characters, not tokenized on the server's event loop (~25 s for 13 MB, every other request

@@ -165,7 +165,22 @@ class AsyncLLMClient:
         return last
 
     async def abort(self, request_id: str) -> bool:
-        return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata)).found
+        return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout,
+                                      metadata=self.metadata)).found
 
     async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self.metadata)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        req = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self.stub.Tokenize(req, timeout=self.timeout, metadata=self.metadata)).token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        req = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        return (await self.stub.Detokenize(req, timeout=self.timeout, metadata=self.metadata)).text
+
+    async def health(self, service: str = "") -> str:
+        """The health service's status name for ``service`` ("" = the server): SERVING, ..."""
+        resp = await health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
