@@ -120,6 +120,11 @@ class BuildConfig:
         if self.quantization == W8A8 and self.accuracy_level not in (None, 0):
             raise ValueError(f"--accuracy-level {self.accuracy_level}: it sets MatMulNBits' precision "
                              "(--quantization int8 / int4); w8a8 always takes int8 activations")
+        if self.quantization == "none" and self.quantize_lm_head:   # (QA: accepted and recorded, no effect)
+            raise ValueError("--quantize-lm-head: --quantization none quantizes nothing; "
+                             "add --quantization int8, int4 or w8a8")
+        if self.draft_layers is not None and self.draft_layers < 1:   # (QA: 0 built the whole model)
+            raise ValueError(f"--draft-layers must be >= 1, got {self.draft_layers}")
         if self.quantization == "none" and self.accuracy_level not in (None, 0):   # (QA: accepted, no effect)
             raise ValueError(f"--accuracy-level {self.accuracy_level}: it sets MatMulNBits' precision "
                              "(--quantization int8 / int4); an unquantized engine has none")

@@ -470,6 +470,8 @@ def test_build_options_are_validated():
                       (dict(quantization="int4", accuracy_level=7), "--accuracy-level"),
                       (dict(quantization="w8a8", accuracy_level=4), "--accuracy-level 4: .* w8a8 always takes int8"),
                       (dict(quantization="none", accuracy_level=4), "--accuracy-level 4: .* an unquantized engine has none"),
+                      (dict(quantize_lm_head=True), "--quantize-lm-head: --quantization none quantizes nothing"),
+                      (dict(draft_layers=0), "--draft-layers must be >= 1, got 0"),   # built the whole model (QA)
                       (dict(quantization="w8a8", activation_planes=3), "--activation-planes must be 1 or 2, got 3"),
                       (dict(quantization="int4", activation_planes=1), "--activation-planes 1: only --quantization w8a8"),
                       (dict(quantization="w8a8", quant_block_size=64), "--quant-block-size / --quant-asymmetric: w8a8"),

@@ -478,6 +478,41 @@ def test_an_api_key_no_client_could_send_is_refused_at_start(key):
     assert ServerConfig(engine_dir="engines/x", api_key="s3cret-K_~!").api_key == "s3cret-K_~!"
 
 
+def test_tls_files_are_checked_at_start_naming_the_flags(tls_files, tmp_path):
+    """A missing key file failed with a bare errno, and a garbage or mismatched pair as a port
+    that could not be bound (QA)."""
+    from trtllm_lite.serving.server import ServerConfig
+
+    cert, key = tls_files
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    with pytest.raises(ValueError, match=r"tls_key \(--tls-key\) '/nonexistent.key': no such file"):
+        ServerConfig(engine_dir="engines/x", tls_cert=cert, tls_key="/nonexistent.key")
+    for pair in ((str(garbage), key), (cert, str(garbage)), (key, cert)):
+        with pytest.raises(ValueError, match="--tls-cert, --tls-key.*not a PEM certificate chain"):
+            ServerConfig(engine_dir="engines/x", tls_cert=pair[0], tls_key=pair[1])
+    assert ServerConfig(engine_dir="engines/x", tls_cert=cert, tls_key=key).tls_cert == cert
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--max-waiting-requests", "0"], "argument --max-waiting-requests: must be an integer >= 1"),
+    (["serve", "--served-model-name", ""], "argument --served-model-name: must not be empty"),
+    (["serve", "--num-threads", "0"], "argument --num-threads: must be an integer >= 1"),
+    (["serve", "--request-timeout", "0"], "argument --request-timeout: must be a number > 0"),
+    (["serve", "--log-level", "LOUD"], "argument --log-level: invalid choice"),
+    (["client", "--prompt", "x", "--timeout", "-1"], "argument --timeout: must be a number > 0"),
+])
+def test_cli_flags_out_of_range_are_named(argv, message, capsys):
+    """These were accepted (QA): --max-waiting-requests 0 refused every request of an idle
+    server, a timeout of -1 s was sent, an empty model name was served."""
+    from trtllm_lite.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv[:1] + (["--engine", "engines/x"] if argv[0] == "serve" else []) + argv[1:])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_api_key_and_tls(tiny_server, tiny_model):
     server, cert = tiny_server
     hf, _ = tiny_model("llama-gqa")

@@ -293,3 +293,5 @@ def test_ort_options_from_the_environment():
     o = OrtOptions.from_env({"TRTLLM_LITE_ORT_W8A8_UINT8_WEIGHTS": "0", "TRTLLM_LITE_ORT_THREADS": "3"},
                             allow_spinning=False)
     assert o.w8a8_uint8_weights is False and o.intra_op_num_threads == 3 and o.allow_spinning is False
+    with pytest.raises(ValueError, match="TRTLLM_LITE_ORT_THREADS must be an integer, got 'abc'"):   # (QA: unnamed)
+        OrtOptions.from_env({"TRTLLM_LITE_ORT_THREADS": "abc"})

@@ -217,7 +217,8 @@ def test_repository_config_parses_and_is_served(server, smollm2_engine, tmp_path
         write_model_repository(smollm2_engine, tmp_path, "m", {"stats_check_period_ms": -5})
     with pytest.raises(ValueError, match="seed must be an integer >= 0"):
         parse_option("seed", "-1")
-    assert parse_option("max_waiting", "0") == 0
+    with pytest.raises(ValueError, match="max_waiting must be an integer >= 1"):   # the engine's least
+        parse_option("max_waiting", "0")
 
 
 # -- generation ----------------------------------------------------------------------------

@@ -226,8 +226,8 @@ class AsyncLLM:
 
     def __init__(self, engine_dir: str | None = None, *, engine: LLMEngine | None = None,
                  max_waiting_requests: int | None = None, stream_queue_size: int = 64, **options):
-        if max_waiting_requests is not None and max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        if max_waiting_requests is not None and max_waiting_requests < 1:   # 0 refused every request (QA)
+            raise ValueError(f"max_waiting_requests must be >= 1 (None: unbounded), got {max_waiting_requests}")
         if stream_queue_size < 1:
             raise ValueError(f"stream_queue_size must be >= 1, got {stream_queue_size}")
         self.engine = engine or LLMEngine(engine_dir, **options)

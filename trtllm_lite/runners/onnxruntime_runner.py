@@ -132,14 +132,18 @@ class OrtOptions:
 
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "OrtOptions":
-        """Options from ``TRTLLM_LITE_ORT_*`` variables, then ``overrides`` (``None`` skipped)."""
+        """Options from ``TRTLLM_LITE_ORT_*`` variables, then ``overrides`` (``None`` skipped).
+        Raises ``ValueError`` naming a variable whose value is not an integer."""
         def flag(name):   # (set but empty counts as unset)
             v = environ.get(name, "").strip()
             return None if not v else v.lower() not in ("0", "false", "no", "off")
 
         def integer(name):
             v = environ.get(name, "").strip()
-            return None if not v else int(v)
+            try:
+                return None if not v else int(v)
+            except ValueError:
+                raise ValueError(f"{name} must be an integer, got {v!r}") from None
 
         values = {"intra_op_num_threads": integer("TRTLLM_LITE_ORT_THREADS"),
                   "accuracy_level": integer("TRTLLM_LITE_ORT_ACCURACY_LEVEL"),

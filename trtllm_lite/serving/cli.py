@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 
+from ..commands.arg_types import at_least, json_object, non_empty, port_number
 from .server import API_KEY_ENV, ServerConfig, serve
 
 
@@ -14,43 +15,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The ``LLMEngine`` options, shared by the server and the benchmark."""
     g = p.add_argument_group("engine")
     g.add_argument("--engine", required=True, help="engine directory (trtllm-lite build)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: build value)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: the build value; on the CPU backend at most 512)")
-    g.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: build value)")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="K and V pool memory (bytes)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
+    g.add_argument("--max-num-seqs", type=at_least(1), default=None, help="sequences per step (default: build value)")
+    g.add_argument("--max-num-batched-tokens", type=at_least(1), default=None, help="tokens per step (default: the build value; on the CPU backend at most 512)")
+    g.add_argument("--max-seq-len", type=at_least(2), default=None, help="prompt + output tokens (default: build value)")
+    g.add_argument("--kv-cache-memory-bytes", type=at_least(1), default=None,
+                   help="K and V pool memory (bytes; default 1 GiB, capped by the machine's memory)")
+    g.add_argument("--num-kv-blocks", type=at_least(1), default=None, help="KV pool size in blocks (overrides memory)")
     g.add_argument("--no-kv-cache-prefault", action="store_true",
                    help="commit the KV pool's memory as blocks are first used, not at start (CPU)")
-    g.add_argument("--num-threads", type=int, default=None, help="backend threads (default: all cores)")
+    g.add_argument("--num-threads", type=at_least(1), default=None, help="backend threads (default: all cores)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="never cut prompts into chunks")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks between prompts")
-    g.add_argument("--seed", type=int, default=None, help="seed for unseeded sampled requests")
+    g.add_argument("--seed", type=at_least(0), default=None, help="seed for unseeded sampled requests")
     g.add_argument("--no-verify-checksums", action="store_true", help="skip the sha256 check of engine files")
-    g.add_argument("--speculative-config", type=_json_object, default=None,
+    g.add_argument("--speculative-config", type=json_object, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-
-
-def _json_object(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
-
-
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 0 (pick a free one) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port {port} out of range 0-65535")
-    return port
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -77,21 +56,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=port_number, default=50051, help="gRPC port (default 50051; 0: pick a free one)")
     g.add_argument("--metrics-port", type=port_number, default=None, help="Prometheus metrics HTTP port (0: pick one)")
     g.add_argument("--http-port", type=port_number, default=None, help="OpenAI-compatible HTTP port (0: pick one)")
-    g.add_argument("--served-model-name", default=None, help="model name for clients (default: engine dir name)")
+    g.add_argument("--served-model-name", type=non_empty, default=None, help="model name for clients (default: engine dir name)")
     g.add_argument("--api-key", default=None, help=f"require this key from clients (default: ${API_KEY_ENV})")
     g.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     g.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
-    g.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="requests waiting to be scheduled at most; more get RESOURCE_EXHAUSTED / 429")
-    g.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest gRPC message (bytes)")
-    g.add_argument("--request-timeout", type=float, default=None, help="seconds a request may run at most")
-    g.add_argument("--shutdown-grace", type=float, default=30.0,
+    g.add_argument("--max-waiting-requests", type=at_least(1), default=256,
+                   help="requests waiting to be scheduled at most; more get RESOURCE_EXHAUSTED / 429 (default 256)")
+    g.add_argument("--max-message-bytes", type=at_least(1), default=16 << 20,
+                   help="largest gRPC message and HTTP request body (bytes; default 16 MiB)")
+    g.add_argument("--request-timeout", type=at_least(0, float, strict=True), default=None, help="seconds a request may run at most")
+    g.add_argument("--shutdown-grace", type=at_least(0, float), default=30.0,
                    help="seconds the server takes to stop on SIGTERM / SIGINT (it exits within them): "
                         "in-flight requests get the grace less up to 2 s kept for the final flush, "
-                        "then the rest are aborted")
-    g.add_argument("--stream-queue-size", type=int, default=64,
-                   help="deltas held per request before merging (a slow client never blocks the engine)")
-    g.add_argument("--log-level", default="INFO", help="logging level")
+                        "then the rest are aborted (default 30)")
+    g.add_argument("--stream-queue-size", type=at_least(1), default=64,
+                   help="deltas held per request before merging (a slow client never blocks the engine; default 64)")
+    g.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging level (default INFO)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -8,22 +8,23 @@ import sys
 
 import grpc
 
+from ..commands.arg_types import at_least
 from .server import API_KEY_ENV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
     p.add_argument("--server", default="127.0.0.1:50051", help="host:port of the gRPC server (default 127.0.0.1:50051)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--max-tokens", type=at_least(1), default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling's probability mass (default 1: all tokens)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
     p.add_argument("--seed", type=int, default=None, help="the request's sampling seed (default: none)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--timeout", type=float, default=None, help="deadline (seconds)")
+    p.add_argument("--timeout", type=at_least(0, float, strict=True), default=None, help="deadline (seconds)")
     p.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
     p.add_argument("--tls-root-cert", default=None, help="PEM certificate to trust (enables TLS)")
     p.add_argument("--stats", action="store_true", help="print usage and timing to stderr")
@@ -39,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.system is not None and not args.chat:   # (as generate: it was silently dropped)
         raise ValueError("--system is a chat message: it needs --chat")
+    if args.tls_root_cert is not None and not os.path.isfile(args.tls_root_cert):
+        raise ValueError(f"--tls-root-cert {args.tls_root_cert!r}: no such file")
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=args.stop)
     prompt, messages = args.prompt, None

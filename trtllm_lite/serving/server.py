@@ -82,7 +82,9 @@ class ServerConfig:
 
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert and tls_key must be given together")
+            raise ValueError("tls_cert and tls_key (--tls-cert, --tls-key) must be given together")
+        if self.tls_cert:
+            _check_tls_pair(self.tls_cert, self.tls_key)
         if self.api_key is not None and not key_is_sendable(self.api_key):   # "" too: no open server by mistake
             raise ValueError("api_key must be printable ASCII without spaces, and not empty (gRPC metadata and "
                              "HTTP headers carry it as is): a key with other characters could never be sent")
@@ -187,6 +189,22 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
 
 
+def _check_tls_pair(cert: str, key: str) -> None:
+    """Load the PEM certificate chain and private key now with Python's ``ssl`` (a missing
+    file, garbage, or a key that is not the certificate's), naming the flags: gRPC reported
+    these as a port it could not bind."""
+    import ssl
+
+    for path, name in ((cert, "tls_cert (--tls-cert)"), (key, "tls_key (--tls-key)")):
+        if not os.path.isfile(path):
+            raise ValueError(f"{name} {path!r}: no such file")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"tls_cert / tls_key (--tls-cert, --tls-key): not a PEM certificate chain and its "
+                         f"private key: {e}") from None
+
+
 def _credentials(config: ServerConfig):
     if not config.tls_cert:
         return None
@@ -231,7 +249,8 @@ class Server:
         try:
             port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
         except RuntimeError as e:       # grpc: "Failed to bind to address ..."
-            raise OSError(f"cannot listen on {address} for gRPC (--port in use?): {e}") from None
+            raise OSError(f"cannot listen on {address} for gRPC (--port in use, or --host not an address "
+                          f"of this machine?): {e}") from None
         await server.start()
         self.grpc_server = server
         self.addresses["grpc"] = f"{c.host}:{port}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..commands.arg_types import at_least
 from .repository import ENGINE_OPTIONS, MODEL_OPTIONS, write_model_repository
 
 
@@ -19,22 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if option.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=option.help)
         elif option.type is int:
-            group.add_argument(flag, type=_integer(option), default=None, help=option.help)
+            group.add_argument(flag, type=at_least(option.minimum) if option.minimum is not None else int,
+                               default=None, help=option.help)
         else:
             group.add_argument(flag, type=option.type, default=None, help=option.help)
-
-
-def _integer(option):
-    """argparse type of an int option: its minimum checked, the flag named in the error."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if option.minimum is not None and value < option.minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {option.minimum}, got {value}")
-        return value
-    return parse
 
 
 def run(args: argparse.Namespace) -> int:

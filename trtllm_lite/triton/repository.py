@@ -43,7 +43,7 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("kv_cache_prefault", bool, "commit the KV pool's memory at start (default true; CPU)"),
     Option("enable_chunked_prefill", bool, "cut long prompts into budget-sized chunks (default true)"),
     Option("enable_prefix_caching", bool, "share KV blocks of equal prompt prefixes (default true)"),
-    Option("max_waiting", int, "waiting requests at most; more are refused (UNAVAILABLE)", minimum=0),
+    Option("max_waiting", int, "waiting requests at most; more are refused (UNAVAILABLE)", minimum=1),
     Option("num_threads", int, "ONNX Runtime threads (default: all cores)", minimum=1),
     Option("seed", int, "seed of the generator unseeded sampled requests draw from", minimum=0),
     Option("verify_checksums", bool, "check every engine file's sha256 at load (default true)"),
