@@ -69,6 +69,8 @@ def test_chat_stream_equals_whole_equals_llm(oai, smollm2_llm):
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert whole.choices[0].message.content == text == ref.text
     assert "Paris" in text and chunks[0].choices[0].delta.role == "assistant"
+    # vLLM's shape: the role alone first, then content deltas without it (QA: role came with text)
+    assert chunks[0].choices[0].delta.content == "" and all(c.choices[0].delta.role is None for c in chunks[1:])
     assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == ref.finish_reason == "stop"
     assert whole.usage.completion_tokens == len(ref.token_ids)
 

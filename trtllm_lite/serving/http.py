@@ -579,14 +579,13 @@ class ResponseFormat:
             tops.append({text(k, v): _num(v.logprob) for k, v in top} if top else None)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _choice(self, index: int, text: str, o, chunk: bool, first: bool = False, echoed=None) -> dict:
+    def _choice(self, index: int, text: str, o, chunk: bool, echoed=None) -> dict:
         finish = "length" if self.echo_only and o.finish_reason else o.finish_reason
         choice = {"index": index}
         if self.kind == "text":
             choice["text"] = text
-        elif chunk:
-            choice["delta"] = ({"role": "assistant", "content": text} if first else {"content": text}) \
-                if text or first else {}
+        elif chunk:   # (the role went first, in a chunk of its own)
+            choice["delta"] = {"content": text} if text else {}
         else:
             choice["message"] = {"role": "assistant", "content": text}
         choice.update(logprobs=self._logprobs(o, index, echoed), finish_reason=finish,
@@ -629,23 +628,28 @@ class ResponseFormat:
     def _chunks(self, i: int, out, accs: list[Accumulator], started: set[int]):
         """The SSE chunks of prompt ``i``'s output ``out``; ``accs``: every prompt's counts so far."""
         accs[i].add(out)
+        options = self.body.stream_options
+        continuous = options is not None and options.include_usage and options.continuous_usage_stats
         for o in out.outputs:
             index = i * self.n + o.index
             first = index not in started
+            if first and self.kind == "chat":   # vLLM's first chunk of a choice: the role alone
+                started.add(index)
+                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None, "stop_reason": None}
+                yield _sse({**self._base(True), "choices": [role], **({"usage": self.usage(accs)} if continuous else {})})
+                first = False
             text = "" if self.echo_only else o.text
             if first and self.prompt_texts:
                 text = self.prompt_texts[i] + text
             # a token whose text is held back (it may begin a stop string, or ends inside a
             # character) still gets a chunk when it has logprobs: they would be lost otherwise
-            if not text and not o.finish_reason and (not o.logprobs or self.echo_only) \
-                    and not (first and self.kind == "chat"):
+            if not text and not o.finish_reason and (not o.logprobs or self.echo_only):
                 continue
             started.add(index)
             echoed = out if first and self.prompt_texts else None
-            chunk = {**self._base(True), "choices": [self._choice(index, text, o, chunk=True, first=first,
-                                                                  echoed=echoed)]}
-            options = self.body.stream_options
-            if options is not None and options.include_usage and options.continuous_usage_stats:
+            chunk = {**self._base(True), "choices": [self._choice(index, text, o, chunk=True, echoed=echoed)]}
+            if continuous:
                 chunk["usage"] = self.usage(accs)   # vLLM's: the counts so far on every chunk
             yield _sse(chunk)
 
