@@ -928,3 +928,50 @@ def test_a_request_cancelled_after_its_first_token_counts_in_ttft(local_llm):
     assert ttft["trtllm_lite_time_to_first_token_seconds_count"] == 1
     assert engine_ttft > 0 and ttft["trtllm_lite_time_to_first_token_seconds_sum"] == pytest.approx(engine_ttft)
     assert registry_outcomes(metrics) == {"cancelled": 1.0}
+
+
+def test_a_slow_consumer_does_not_outlive_its_deadline(local_llm):
+    """A consumer slower than the engine always finds a delta waiting, and the deadline was
+    checked only on an empty queue: a 1 s request ran its 64 tokens for 16 s (QA)."""
+    from trtllm_lite.async_llm import RequestTimeoutError
+
+    async def run():
+        got = 0
+        start = time.monotonic()
+        with pytest.raises(RequestTimeoutError):
+            async for out in local_llm.generate([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True),
+                                                timeout=0.5):
+                got += len(out.outputs[0].token_ids)
+                await asyncio.sleep(0.2)
+        return got, time.monotonic() - start
+
+    got, took = asyncio.run(run())
+    assert got < 200 and took < 1.5, (got, took)
+    assert wait_until(lambda: local_llm.stats()["blocks_used"] == 0)
+
+
+def test_an_abort_while_the_prompt_is_tokenized_ends_the_request(local_llm):
+    """``abort(id)`` of a request still on a tokenizing thread returned False and the request
+    then ran to its end (QA)."""
+    text = "The quick brown fox jumps over the lazy dog. " * 60   # tokenized on a worker thread
+
+    async def run():
+        outs = []
+
+        async def consume():
+            async for out in local_llm.generate(text, SamplingParams(max_tokens=20, ignore_eos=True),
+                                                request_id="tok-abort"):
+                outs.append(out)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0)            # generate() runs up to its tokenizing thread
+        assert local_llm.num_in_flight() == 1 and not local_llm.has_request("tok-abort")
+        found = await local_llm.abort("tok-abort")
+        again = await local_llm.abort("tok-abort")
+        await task
+        return found, again, outs
+
+    found, again, outs = asyncio.run(run())
+    assert (found, again) == (True, False)
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 0

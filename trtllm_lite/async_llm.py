@@ -128,6 +128,10 @@ class RequestStream:
         The deadline is a timer that wakes the wait, not ``asyncio.wait_for``, which in Python
         3.10-3.11 can swallow a cancellation that comes as an item arrives: the consumer's
         cancel was lost and the request ran on to its deadline (a suite flake)."""
+        if deadline is not None and self.items and time.monotonic() >= deadline and not self._holds_end():
+            # a consumer slower than the engine always finds an item waiting: the deadline is
+            # checked here too, or the request ran on to its end (QA)
+            raise RequestTimeoutError("request deadline exceeded")
         while not self.items:
             self.event.clear()
             if deadline is None:
@@ -142,6 +146,10 @@ class RequestStream:
             finally:
                 timer.cancel()
         return self.items.popleft()
+
+    def _holds_end(self) -> bool:
+        """Whether the request's last item (its finished output or its error) is queued."""
+        return any(isinstance(i, BaseException) or i.finished for i in self.items)
 
 
 SHORT_TEXT_SIZE = 2048   # tokenizing work up to this size (tokenizing_size) takes ~1-2 ms: a thread of its own
@@ -238,6 +246,8 @@ class AsyncLLM:
         self._aborting: set[str] = set()   # ids whose consumer left and whose abort is queued
         self._abort_requested: set[str] = set()   # ids abort() was called for, until their stream ends
         self._preparing = 0        # requests being tokenized on a worker thread (not in _streams yet)
+        self._preparing_ids: dict[str, int] = {}   # their ids (-> how many): an abort may name them
+        self._abort_on_add: set[str] = set()       # ids aborted while being tokenized
         self._abort_all_count = 0  # abort_all() calls: a request tokenized across one is refused
         self._admissions = 0       # admit()'s requests whose front end still holds them (a drain waits)
         self._aborts_at_stop = 0   # abort_all() calls before the engine stopped accepting
@@ -381,11 +391,18 @@ class AsyncLLM:
             request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt)
         else:
             self._preparing += 1
+            self._preparing_ids[request_id] = self._preparing_ids.get(request_id, 0) + 1
             try:
                 request = await self._tokenize(functools.partial(self.engine.make_request, prompt, sampling_params,
                                                                  request_id, cache_salt), size, aborts, deadline)
+            except BaseException:
+                self._abort_on_add.discard(request_id)
+                raise
             finally:
                 self._preparing -= 1
+                self._preparing_ids[request_id] -= 1
+                if not self._preparing_ids[request_id]:
+                    del self._preparing_ids[request_id]
         if self._error is not None:
             raise EngineDeadError(f"engine stopped: {self._error!r}")
         if self._refuses(aborts):
@@ -399,6 +416,10 @@ class AsyncLLM:
         stream = RequestStream(asyncio.get_running_loop(), self.stream_queue_size)
         self._streams[rid] = (stream, request)
         self._commands.put(("add", request))
+        if rid in self._abort_on_add:   # aborted while it was tokenized: it ends at once, as 'abort'
+            self._abort_on_add.discard(rid)
+            self._abort_requested.add(rid)
+            self._commands.put(("abort", rid))
         finished = False
         try:
             while True:
@@ -426,6 +447,10 @@ class AsyncLLM:
         """Abort a request by id, in any state (its stream ends with finish reason
         'abort'). Idempotent; returns whether the request was in flight here and not already
         being aborted (a second call before the stream ends returns False)."""
+        if request_id in self._preparing_ids and request_id not in self._streams:   # being tokenized (QA: lost)
+            found = request_id not in self._abort_on_add
+            self._abort_on_add.add(request_id)
+            return found
         found = request_id in self._streams and request_id not in self._abort_requested
         if found:
             self._abort_requested.add(request_id)
