@@ -148,6 +148,31 @@ def test_preemption_keeps_outputs_and_frees_everything(configure):
     assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("num_blocks", [512, 12])     # 12: preemption too
+def test_n_greater_than_1_never_runs_more_than_max_num_seqs(configure, num_blocks):
+    """A request of n > 1 forks its other sequences after its prompt: the forks were appended
+    past the cap (QA: 4 requests of n = 4 ran 16 sequences a step at max_num_seqs 4), which
+    TensorRT's decode profile (1..max_num_seqs) cannot take. Outputs equal a roomy run's."""
+    prompts = token_prompts([6, 9, 5, 7], seed=3)
+    params = [SamplingParams(n=4, max_tokens=6, temperature=0.8, seed=i, ignore_eos=True) for i in range(4)]
+
+    def run_n(engine, cap):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(p, sp, f"r{i}")
+        ids = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for o in out.outputs:
+                    ids.setdefault((out.request_id, o.index), []).extend(o.token_ids)
+            assert len(engine.scheduler.running) <= cap
+            engine.kv.pool.check()       # (forks share blocks unhashed: check_invariants' rule is for prompts)
+        assert engine.kv.pool.num_used == 0
+        return ids
+
+    reference = run_n(configure(max_num_seqs=32), 32)
+    assert run_n(configure(num_blocks=num_blocks, max_num_seqs=4), 4) == reference
+
+
 def test_prompt_larger_than_pool_is_refused(configure):
     engine = configure(num_blocks=4)
     with pytest.raises(ValueError, match="whole pool"):

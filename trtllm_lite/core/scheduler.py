@@ -157,8 +157,13 @@ class Scheduler:
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
 
         # 2. admit waiting sequences (never while one had to be preempted this step),
-        #    reusing their longest cached prefix
-        while self.waiting and not preempted and budget > 0 and len(self.running) < c.max_num_seqs:
+        #    reusing their longest cached prefix. A request of n > 1 runs one sequence through
+        #    its prompt and forks the others after it: their places are kept from its
+        #    admission, so a step never holds more than max_num_seqs (QA: 4 requests of n = 4
+        #    made 16 at a cap of 4; TensorRT's decode profile ends at max_num_seqs)
+        reserved = sum(_forks_to_come(s) for s in self.running)
+        while self.waiting and not preempted and budget > 0 and \
+                len(self.running) + reserved + 1 + _forks_to_come(self.waiting[0]) <= c.max_num_seqs:
             seq = self.waiting[0]
             computed = self.kv.get_computed_blocks(seq)
             hit_tokens = len(computed) * self.kv.block_size
@@ -171,6 +176,7 @@ class Scheduler:
                 self.kv.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            reserved += _forks_to_come(seq)
             scheduled.append((seq, n))
             budget -= n
 
@@ -219,3 +225,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
+
+
+def _forks_to_come(seq: Sequence) -> int:
+    """Sequences ``seq``'s request will still fork from it (n - 1 before its prompt is done)."""
+    request = seq.request
+    return 0 if request is None or seq.index else request.params.n - len(request.seqs)
