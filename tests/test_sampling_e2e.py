@@ -84,6 +84,12 @@ def test_stop_token_on_last_allowed_token_is_stop_not_length(smollm2_llm, greedy
     out = smollm2_llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, stop_token_ids=[ids[4]]))[0]
     c = out.outputs[0]
     assert c.token_ids == ids[:5] and (c.finish_reason, c.stop_reason) == ("stop", ids[4])
+    # the stop token's text is left out, unless include_stop_str_in_output, as vLLM (QA: never in)
+    tok = smollm2_llm.tokenizer
+    assert c.text == tok.decode(ids[:4])
+    with_stop = smollm2_llm.generate([PROMPT], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                              stop_token_ids=[ids[4]], include_stop_str_in_output=True))
+    assert with_stop[0].outputs[0].text == tok.decode(ids[:5])
 
 
 def test_seeded_requests_identical_alone_and_mixed(smollm2_llm):

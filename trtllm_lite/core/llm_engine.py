@@ -591,6 +591,8 @@ class LLMEngine:
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason, seq.stop_reason = "stop", (token if token in p.stop_token_ids else None)
+            if p.include_stop_str_in_output and seq.detokenizer is not None:   # vLLM's: the stop token's
+                seq.text += seq.detokenizer.step(token)      # text too (none for a skipped special token)
         if reason is None and seq.detokenizer is not None:
             delta = seq.detokenizer.step(token)
             seq.text += delta
