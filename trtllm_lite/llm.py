@@ -95,7 +95,8 @@ class LLM:
 
 def _text_parts_joined(message):
     """``message`` with OpenAI's content parts (``[{"type": "text", "text": ...}, ...]``)
-    joined into one string, as the HTTP server reads them; other messages as they are.
+    joined into one string with ``"\n"``, as the HTTP server (and vLLM) reads them; other
+    messages as they are.
 
     Raises:
         ValueError: a part that is not ``{"type": "text", "text": str}``.
@@ -105,7 +106,7 @@ def _text_parts_joined(message):
         return message
     if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         raise ValueError("messages: content parts must be {'type': 'text', 'text': str} (text only)")
-    return dict(message, content="".join(p["text"] for p in content))
+    return dict(message, content="\n".join(p["text"] for p in content))
 
 
 def _no_tokenizer():
