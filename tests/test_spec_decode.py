@@ -122,6 +122,22 @@ def test_draft_model_proposer_greedy_identical_and_frees_blocks(tiny_model, tmp_
         assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks  # target blocks back
         if draft == engine_dir:
             assert llm.engine.stats()["spec_acceptance_rate"] > 0.9
+    # a pool that preempts: outputs the same, and a preempted sequence keeps no draft blocks
+    # while it waits (QA: held until its request ended)
+    from trtllm_lite.core.sequence import SequenceStatus
+
+    engine = LLM(engine_dir, num_kv_blocks=14, speculative_config={
+        "method": "draft_model", "draft_engine": draft_dir, "num_speculative_tokens": 3}).engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        states = engine.proposer.states
+        assert not [s for s in states if s.status is SequenceStatus.WAITING and states[s].block_table]
+    assert engine.scheduler.num_preemptions > 0
+    assert [got[i] for i in ids] == base
+    assert engine.proposer.kv.pool.num_free == engine.proposer.kv.pool.num_blocks
 
 
 def test_a_draft_with_a_shorter_max_seq_len_stops_proposing_at_its_end(tiny_model, tmp_path):

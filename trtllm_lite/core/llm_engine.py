@@ -389,6 +389,9 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        if self.proposer is not None:   # a preempted sequence's draft blocks go back too (QA: kept)
+            for seq in sched.preempted:
+                self.proposer.release(seq)
         if not sched.seqs:
             return []
         items = sched.batch.decode + sched.batch.prefill
