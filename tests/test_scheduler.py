@@ -78,6 +78,25 @@ def test_preemption_by_recompute_when_pool_runs_dry():
     assert sched.kv.pool.num_free == 6
 
 
+def test_max_waiting_counts_new_requests_not_preempted_sequences():
+    """QA: a preempted sequence back in the queue counted against ``max_waiting``, so an
+    engine running one request refused the next one."""
+    sched = create_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_waiting=1)
+    old, new, late, later = create_requests([8, 8, 3, 3], max_tokens=12)
+    sched.add(old)
+    run_step(sched)
+    sched.add(new)
+    while not new.num_preemptions:
+        run_step(sched)
+    assert list(sched.waiting) == [new] and sched.num_preempted_waiting == 1
+    sched.add(late)                      # one new request may wait beside the preempted one
+    with pytest.raises(OverflowError, match="waiting queue is full"):
+        sched.add(later)
+    while sched.has_unfinished():
+        run_step(sched)
+    assert sched.num_preempted_waiting == 0 and sched.kv.pool.num_free == 6
+
+
 def test_request_that_never_fits_is_refused_at_admission():
     sched = create_scheduler(num_blocks=4, block_size=4, max_seq_len=100)
     with pytest.raises(ValueError, match="whole pool"):

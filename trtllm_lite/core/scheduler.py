@@ -66,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_preempted_waiting = 0   # preempted sequences back in ``waiting`` (not new requests)
 
     # -- admission ------------------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
@@ -115,7 +116,9 @@ class Scheduler:
                              f"whole pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.config.max_waiting:
+        # requests not yet scheduled; preempted sequences waiting to resume are not requests
+        # the limit keeps out (QA: 2 preempted children of an n = 4 request filled a limit of 2)
+        if len(self.waiting) - self.num_preempted_waiting >= self.config.max_waiting:
             raise OverflowError(f"waiting queue is full ({self.config.max_waiting} requests)")
         self.check_fits(seq)
         self.waiting.append(seq)
@@ -171,6 +174,8 @@ class Scheduler:
             if n == 0 or not self.kv.allocate_slots(seq, n, computed):
                 break
             self.waiting.popleft()
+            if seq.num_preemptions:
+                self.num_preempted_waiting -= 1
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 self.kv.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
@@ -210,6 +215,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preempted_waiting += 1
         self.waiting.appendleft(seq)
 
     # -- after the step -------------------------------------------------------------------
@@ -221,6 +227,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if seq.num_preemptions:
+                self.num_preempted_waiting -= 1
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
