@@ -40,6 +40,10 @@ def test_bad_request_raises_and_engine_keeps_serving(smollm2_llm, prompt, params
     # a lone surrogate (JSON's "\\ud800") can never match the text; it was accepted (QA)
     (dict(stop="\ud800"), "^stop is not valid Unicode text"),
     (dict(stop=["ok", "a\udfff"]), "^stop is not valid Unicode text"),
+    # int() / float() made token 1 of 1.7 and True, and took "5" (QA)
+    (dict(logit_bias={1.7: 3}), "logit_bias must map integer token ids to numbers"),
+    (dict(logit_bias={True: 3}), "logit_bias must map integer token ids to numbers"),
+    (dict(logit_bias={1: "5"}), "logit_bias must map integer token ids to numbers"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -156,10 +156,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", "must be a dict {token_id: bias}")
-            try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError):
+            # integers and real numbers as given, not what int() / float() make of them (QA:
+            # {1.7: 3} biased token 1, {True: 3} token 1, {1: "5"} was taken)
+            if not all(is_integer(k) and isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+                       for k, v in self.logit_bias.items()):
                 bad("logit_bias", "must map integer token ids to numbers")
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             if any(k < 0 or not -100 <= v <= 100 for k, v in self.logit_bias.items()):
                 bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
 
