@@ -372,8 +372,11 @@ class AsyncLLM:
             RequestTimeoutError: the deadline passed; the request was aborted.
             EngineStepError / EngineDeadError: an internal error ended the request.
 
-        If the consumer stops iterating (cancellation, disconnect), the request is aborted
-        and its KV blocks return within one step.
+        If the consumer's iteration ends early (its task cancelled, the generator closed:
+        ``async with contextlib.aclosing(llm.generate(...))``, as the servers use it), the
+        request is aborted and its KV blocks return within one step. A generator merely left
+        unreferenced is closed only when Python finalizes it (as an ``async for`` broken out of
+        without ``aclosing``; vLLM's alike): close it to free the blocks at once.
         """
         if admission is None:
             self._check_accepting()
