@@ -350,7 +350,9 @@ class EngineService:
             **{k: model.get(k, 0) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                              "head_dim", "vocab_size")},
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "max_seq_len": sched.max_seq_len, "max_waiting_requests": self.llm.max_waiting_requests or 0,
+            # the longest request in force: max_seq_len, or less where the KV pool holds fewer
+            # tokens (as HTTP's max_model_len; QA: it said the build's 64 beside a 14-token pool)
+            "max_seq_len": engine.max_model_len, "max_waiting_requests": self.llm.max_waiting_requests or 0,
             "block_size": engine.block_size, "num_kv_blocks": stats["num_blocks"],
             "kv_blocks_used": stats["blocks_used"], "kv_blocks_free": stats["blocks_free"],
             "num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
