@@ -15,23 +15,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="smollm2-135m-instruct, a .gguf file, or a Hugging Face directory")
     p.add_argument("--output", required=True, help="engine directory to write")
-    p.add_argument("--backend", default=d.backend, choices=BACKENDS)
+    p.add_argument("--backend", default=d.backend, choices=BACKENDS,
+                   help="onnxruntime (CPU), tensorrt (with the CUDA paged-attention plugin) or "
+                        "tensorrt-rtx (default: %(default)s)")
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
                    help="GEMMs, attention and KV cache: float32 (onnxruntime, tensorrt-rtx), "
-                        "float16 or bfloat16 (tensorrt, tensorrt-rtx)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+                        "float16 or bfloat16 (tensorrt, tensorrt-rtx) (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["float32", "float16"],
                    help="KV cache element type (onnxruntime backend): float16 halves the pools' bytes "
-                        "(K/V rounded to float16 when stored, attention computed in float32)")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step")
+                        "(K/V rounded to float16 when stored, attention computed in float32) (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences per step (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="tokens per step (the token budget)")
+                   help="tokens per step, the token budget (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len,
-                   help="prompt + output tokens per sequence")
+                   help="prompt + output tokens per sequence (default: %(default)s; at most the model's positions)")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="build a speculative-decoding draft from the model's first N layers")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
-                   help="quantization of the linear layers: int8/int4 weight-only (GGUF Q4_0/Q4_1/Q8_0 "
+                   help="quantization of the linear layers: int8/int4 weight-only (GGUF Q4_0/Q4_1/Q4_K/Q8_0 "
                         "blocks map exactly, others are block-quantized); w8a8 int8 weights per "
                         "channel and int8 activations per token (faster batched steps, changes results)")
     p.add_argument("--quant-block-size", type=int, default=d.quant_block_size,

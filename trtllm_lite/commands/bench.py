@@ -160,11 +160,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TTFT prompt lengths (tokens)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated for batch-1 decode")
     p.add_argument("--num-requests", type=int, default=16, help="requests in the throughput run")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens of each throughput request (default 128)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens each throughput request generates (default 64)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16],
                    help="requests in flight (one throughput run each)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (default 0)")
     p.add_argument("--accuracy-level", type=int, choices=[0, 4], default=None,
                    help="MatMulNBits compute precision of a quantized engine (default: as built)")
     p.add_argument("--no-spinning", action="store_true",

@@ -11,7 +11,7 @@ from ..sampling_params import SamplingParams
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", required=True, help="engine directory")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user message)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
