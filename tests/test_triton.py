@@ -394,3 +394,7 @@ def test_triton_repo_flags_below_their_minimum_are_named(tmp_path, tiny_engine, 
         assert exit_info.value.code == 2
         assert f"argument {flag}: must be an integer >=" in capsys.readouterr().err
     assert not (tmp_path / "repo").exists()
+    (tmp_path / "file").write_text("")
+    assert main(["triton-repo", "--engine", tiny_engine, "--output", str(tmp_path / "file")]) == 1
+    err = capsys.readouterr().err
+    assert "output (--output)" in err and "is a file, not a model repository directory" in err

@@ -179,6 +179,8 @@ def write_model_repository(engine_dir: str | os.PathLike, output: str | os.PathL
         if name in options and not 1 <= options[name] <= engine.build[name]:
             raise ValueError(f"{name} must be in [1, {engine.build[name]}] (the engine's build value), "
                              f"got {options[name]}")
+    if Path(output).exists() and not Path(output).is_dir():
+        raise ValueError(f"output (--output) {str(output)!r} is a file, not a model repository directory")
     model_dir = Path(output) / model_name
     version_dir = model_dir / "1"
     version_dir.mkdir(parents=True, exist_ok=True)
