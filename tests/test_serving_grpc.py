@@ -975,3 +975,19 @@ def test_an_abort_while_the_prompt_is_tokenized_ends_the_request(local_llm):
     assert (found, again) == (True, False)
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert sum(len(o.outputs[0].token_ids) for o in outs) == 0
+
+    async def refused_then_reused():
+        # aborted while tokenized, then refused (too long): the abort must not stay behind for
+        # the next request of that id
+        text = "".join(chr(0x4E00 + i % 20000) for i in range(3000))   # within the character limit
+        gen = local_llm.generate(text, SamplingParams(max_tokens=2), request_id="tok-abort-2")
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)
+        assert await local_llm.abort("tok-abort-2")          # on its tokenizing thread
+        with pytest.raises(ValueError, match="more than max_seq_len"):
+            await task
+        return [o async for o in local_llm.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True),
+                                                    request_id="tok-abort-2")]
+
+    later = asyncio.run(refused_then_reused())
+    assert later[-1].outputs[0].finish_reason == "length"

@@ -390,6 +390,7 @@ class AsyncLLM:
         aborts = self._abort_all_count if admission is None else admission.aborts
         request_id = request_id or uuid.uuid4().hex
         size = self._tokenizing_size(prompt, sampling_params)
+        aborted_early = False   # aborted while it was tokenized: it ends at once, as 'abort'
         if size is None:   # token ids: no thread hop
             request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt)
         else:
@@ -398,14 +399,14 @@ class AsyncLLM:
             try:
                 request = await self._tokenize(functools.partial(self.engine.make_request, prompt, sampling_params,
                                                                  request_id, cache_salt), size, aborts, deadline)
-            except BaseException:
-                self._abort_on_add.discard(request_id)
-                raise
             finally:
                 self._preparing -= 1
                 self._preparing_ids[request_id] -= 1
                 if not self._preparing_ids[request_id]:
                     del self._preparing_ids[request_id]
+                # (no await from here to its stream: no abort can come between)
+                aborted_early = request_id in self._abort_on_add
+                self._abort_on_add.discard(request_id)
         if self._error is not None:
             raise EngineDeadError(f"engine stopped: {self._error!r}")
         if self._refuses(aborts):
@@ -419,8 +420,7 @@ class AsyncLLM:
         stream = RequestStream(asyncio.get_running_loop(), self.stream_queue_size)
         self._streams[rid] = (stream, request)
         self._commands.put(("add", request))
-        if rid in self._abort_on_add:   # aborted while it was tokenized: it ends at once, as 'abort'
-            self._abort_on_add.discard(rid)
+        if aborted_early:
             self._abort_requested.add(rid)
             self._commands.put(("abort", rid))
         finished = False
