@@ -345,7 +345,8 @@ def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: b
     Q4_K_M file's Q6_K attn_v and ffn_down keep their precision. The lm_head (tied
     embedding or not): ``True`` quantizes it, ``False`` keeps it float32, ``None`` (default)
     quantizes it only when the GGUF stores it in a type that maps exactly (Q8_0, Q4_0, Q4_1,
-    Q4_K at block size 32), so it keeps the very values of the float engine built from that file. 8-bit weights are stored
+    Q4_K at block size 32), so it keeps the very values of the float engine built from that file,
+    or, in an ``int4`` build of a 4-bit file, in a wider type (8 bits, as the weights above). 8-bit weights are stored
     split (:func:`split_8bit`) unless ``accuracy_level`` is 4 (int8 activations) or their K is
     not a multiple of the block.
 
@@ -368,12 +369,16 @@ def quantize_model(loaded, quantization: str, block_size: int = 32, symmetric: b
     bits = BITS[quantization]
     raw = loaded.extra.get("gguf_raw", {})
     exact = {4: ("Q4_0", "Q4_1", "Q4_K"), 8: ("Q8_0",)}[bits]
+    # a 4-bit file: its layers' linears include 4-bit types
+    mixed = bits == 4 and any(raw.get(name, (None,))[0] in exact
+                              for name in linear_weight_names(loaded.config, False))
     if quantize_lm_head is None:
-        head = "embed.weight" if loaded.config.tie_word_embeddings else "lm_head.weight"
-        quantize_lm_head = block_size == GGUF_BLOCK and raw.get(head, (None,))[0] in GGUF_BLOCK_BYTES
+        head = raw.get("embed.weight" if loaded.config.tie_word_embeddings else "lm_head.weight", (None,))[0]
+        # (a Q4_K_M file's Q6_K output.weight: 8 bits, not float32, 4x its bytes in every decode step)
+        quantize_lm_head = block_size == GGUF_BLOCK and (head in GGUF_BLOCK_BYTES or
+                                                         mixed and head in GGUF_WIDER_THAN_4_BITS)
     out, counts = {}, {}
     names = linear_weight_names(loaded.config, quantize_lm_head)
-    mixed = bits == 4 and any(raw.get(name, (None,))[0] in exact for name in names)   # a 4-bit file
     for name in names:
         kind, data = raw.get(name, (None, None))
         w = loaded.weights[name]

@@ -622,7 +622,7 @@ def test_k_quant_gguf_builds_exactly(tmp_path):
     assert sources["layers.0.gate_up.weight"] == "gguf:Q4_K"
     assert sources["layers.0.down.weight"] == "float+split"       # Q6_K: 8 bits (split for the kernel)
     assert sources["layers.0.qkv.weight"] == "float+split"        # Q4_K q/k beside a Q6_K v: 8 bits
-    assert "embed.weight" not in sources                           # a Q6_K lm_head stays float32
+    assert sources["embed.weight"] == "float+split"               # a Q6_K lm_head: 8 bits, not float32
 
     exact_int4 = build(q4_k, str(tmp_path / "q4_k-int4"), quantization="int4", **limits)
     with open(os.path.join(exact_int4, "engine.json")) as f:
