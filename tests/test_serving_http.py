@@ -748,6 +748,10 @@ def test_more_prompts_than_the_queue_holds_is_400_naming_prompt(server):
     assert "20000 prompts: more than max_waiting_requests (256)" in r.json()["error"]["message"]
     r = httpx.post(url, json={"model": "smollm2", "prompt": [[11]] * 256, "max_tokens": 1}, timeout=120)
     assert r.status_code == 200 and len(r.json()["choices"]) == 256
+    # counted in sequences: 256 prompts x n 64 in a 2 KB body held the server 88 s (QA)
+    r = httpx.post(url, json={"model": "smollm2", "prompt": [[11]] * 256, "n": 64, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "256 prompts x n 64 = 16384 sequences: more than max_waiting_requests (256)" in r.json()["error"]["message"]
 
 
 def test_bad_json_is_400(server):

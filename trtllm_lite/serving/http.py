@@ -462,6 +462,12 @@ class OpenAIServer:
                     # taken whole, and starting each (20,000 of them) held the event loop ~14 s
                     raise ValueError(f"prompt has {len(prompts)} prompts: more than max_waiting_requests "
                                      f"({limit}) can queue at once")
+                if limit is not None and len(prompts) > 1 and len(prompts) * body.n > limit:
+                    # each prompt runs n sequences: 256 prompts x n 64 (a 2 KB body) queued 16,384
+                    # sequences, and a request behind them waited 87 s (QA). A batch may hold at
+                    # most what the queue holds, counted in sequences
+                    raise ValueError(f"prompt has {len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} "
+                                     f"sequences: more than max_waiting_requests ({limit}) can queue at once")
                 waiting = self.service.llm.num_waiting_requests()
                 if limit is not None and len(prompts) > 1 and waiting + len(prompts) > limit:
                     # all or none: queueing the prompts that fit, then ending them with the batch,
