@@ -210,6 +210,35 @@ def test_infer_and_stream_give_the_llm_text(triton, reference):
     assert "".join(pieces) == reference.text
 
 
+def test_streamed_sequences_of_one_request_carry_their_sequence_index(triton, smollm2_llm):
+    """num_return_sequences 2 streamed: each response is one sequence's delta, and without
+    TensorRT-LLM's sequence_index the two interleaved past telling apart (QA)."""
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=5, n=2)
+    ref = [o.text for o in smollm2_llm.generate(PROMPT, params)[0].outputs]
+    got = {0: [], 1: []}
+    done = queue.Queue()
+
+    def callback(result, error):
+        done.put((result, error))
+
+    triton.start_stream(callback=callback)
+    try:
+        triton.async_stream_infer("ensemble", tensors(max_tokens=10, stream=flag(True), temperature=np.array(
+            [[0.8]], np.float32), seed=np.array([[5]], np.uint64), num_return_sequences=np.array([[2]], np.int32)),
+            request_id="n2")
+        while True:
+            result, error = done.get(timeout=120)
+            assert error is None, error
+            text, index = result.as_numpy("text_output"), result.as_numpy("sequence_index")
+            if text is not None and text.size:
+                got[int(index.reshape(-1)[0])].append(text.reshape(-1)[0].decode())
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        triton.stop_stream()
+    assert ["".join(got[0]), "".join(got[1])] == ref
+
+
 def test_many_requests_on_one_stream_and_a_bad_one(triton, smollm2_llm):
     prompts = ["Once upon a time", "def fibonacci(n):", "Water boils at"]
     refs = [smollm2_llm.generate(p, SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0].text for p in prompts]

@@ -110,8 +110,17 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("last_token_time_ns", "INT64", (1,), True, None, "monotonic clock, ns"),
 )
 
+#: TensorRT-LLM's ``sequence_index``: on every response of a request of ``num_return_sequences``
+#: > 1, which sequence its text belongs to (streamed responses interleave them).
+SEQUENCE_INDEX = TensorSpec("sequence_index", "INT32", (1,), True, None, "which returned sequence (0-based)")
+
 INPUTS_BY_NAME = {t.name: t for t in INPUTS}
-OUTPUTS_BY_NAME = {t.name: t for t in OUTPUTS}
+OUTPUTS_BY_NAME = {t.name: t for t in OUTPUTS + (SEQUENCE_INDEX,)}
+
+
+def sequence_index_tensor(request: "EnsembleRequest", index: int) -> np.ndarray:
+    """``sequence_index`` of one response: ``[1, 1]`` int32 (``[1]`` without a batch dimension)."""
+    return np.array([index], np.int32).reshape((1, 1) if request.batched else (1,))
 
 #: ``SamplingParams`` field -> the input tensor that sets it, to name in errors.
 PARAM_TENSORS: dict[str, str] = {

@@ -260,7 +260,10 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                         if not o.text and not is_last:
                             continue
                         lps = _token_logprobs(o) if ereq.return_log_probs else None
-                        yield infer_response(request, self._outputs(ereq, acc, o.text, lps), is_last)
+                        outputs = self._outputs(ereq, acc, o.text, lps)
+                        if params.n > 1:   # TensorRT-LLM's: the sequences' deltas interleave (QA)
+                            outputs["sequence_index"] = et.sequence_index_tensor(ereq, o.index)
+                        yield infer_response(request, outputs, is_last)
             if not ereq.stream:
                 results = acc.results()
                 lps = _token_logprobs(results[0]) if ereq.return_log_probs else None

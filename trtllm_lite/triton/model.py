@@ -40,7 +40,7 @@ import numpy as np
 
 from ..async_llm import AsyncLLM, EngineDeadError
 from ..core.llm_engine import LLMEngine
-from ..ensemble_tensors import EnsembleRequest, make_outputs, name_tensor_in_error, parse_inputs
+from ..ensemble_tensors import EnsembleRequest, make_outputs, name_tensor_in_error, parse_inputs, sequence_index_tensor
 from ..serving.params import make_sampling_params
 from .repository import ENGINE_OPTIONS, parse_option
 
@@ -164,7 +164,7 @@ class _ResponseState:
                                num_output_tokens=self.counts.get(index, 0),
                                token_logprobs=logprobs if request.return_log_probs else None, times_ns=times)
         if self.n > 1:
-            tensors["sequence_index"] = np.array([index], np.int32).reshape((1, 1) if request.batched else (1,))
+            tensors["sequence_index"] = sequence_index_tensor(request, index)
         return tensors
 
 

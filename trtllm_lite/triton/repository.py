@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine_dir import load_engine_dir
-from ..ensemble_tensors import CONFIG_DATA_TYPE, INPUTS, OUTPUTS, TensorSpec
+from ..ensemble_tensors import CONFIG_DATA_TYPE, INPUTS, OUTPUTS, SEQUENCE_INDEX, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,7 @@ OPTIONS = {o.name: o for o in ENGINE_OPTIONS + MODEL_OPTIONS}
 
 #: Outputs beyond the ensemble table: TensorRT-LLM's ``sequence_index``, sent with every
 #: response of a request with ``num_return_sequences`` > 1.
-EXTRA_OUTPUTS: tuple[TensorSpec, ...] = (
-    TensorSpec("sequence_index", "INT32", (1,), True, None, "which returned sequence (0-based)"),
-)
+EXTRA_OUTPUTS: tuple[TensorSpec, ...] = (SEQUENCE_INDEX,)
 
 MODEL_PY = '''"""Triton Python-backend model serving a trtllm-lite engine (written by `trtllm-lite triton-repo`).
 
