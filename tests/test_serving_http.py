@@ -571,6 +571,11 @@ def test_chat_tool_choice_that_asks_for_a_tool_call_is_400_naming_it(server, too
     ("completions", {"guided_grammar": "root ::= \"a\""}),
     ("completions", {"structured_outputs": {"choice": ["a"]}}),
     ("completions", {"response_format": {"type": "json_object"}}),
+    # vLLM's chat-template extras: continue_final_message was ignored and gave "" (QA)
+    ("chat/completions", {"continue_final_message": True}),
+    ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("chat/completions", {"chat_template": "{{ messages[0]['content'] }}"}),
+    ("chat/completions", {"echo": True}),
 ])
 def test_fields_that_constrain_the_output_are_400_not_ignored(server, route, extra):
     """Legacy function calling and vLLM's guided decoding would be obeyed by a peer; ignoring

@@ -188,7 +188,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
-    checked_extras: ClassVar[tuple[str, ...]] = CONSTRAINING_EXTRAS + ("function_call",)
+    #: vLLM's chat-template extras, refused when they would change the prompt: ignoring them
+    #: answered as if obeyed (QA: continue_final_message gave "" / stop)
+    TEMPLATE_EXTRAS: ClassVar[tuple[str, ...]] = ("chat_template", "chat_template_kwargs",
+                                                  "continue_final_message", "echo")
+    checked_extras: ClassVar[tuple[str, ...]] = CONSTRAINING_EXTRAS + ("function_call",) + TEMPLATE_EXTRAS
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -211,6 +215,11 @@ class ChatCompletionRequest(_Sampling):
         """
         if self.tools:
             raise ValueError("tools are not supported")
+        extra = self.model_extra or {}
+        for name in self.TEMPLATE_EXTRAS:   # None, false, {} and "" change nothing
+            if extra.get(name):
+                raise ValueError(f"{name} is not supported (the engine's own chat template renders "
+                                 f"the messages, with add_generation_prompt)")
         function_call = (self.model_extra or {}).get("function_call")   # (the legacy tool_choice)
         if function_call not in (None, "none", "auto"):
             raise ValueError(f"function_call {function_call!r} needs functions, which are not supported "
