@@ -430,7 +430,7 @@ def test_bad_words_longer_than_max_seq_len_tokens_can_cover_are_refused_untokeni
     engine = smollm2_llm.engine
     limit = engine.scheduler_config.max_seq_len * engine.tokenizer.max_chars_per_token
     words = ["x" * (limit // 2), "y" * (limit // 2 + 1)]   # each fits alone; together they do not
-    with pytest.raises(ValueError, match=r"^bad_words have \d+ characters in all"):
+    with pytest.raises(ValueError, match=r"^bad_words has \d+ characters in all"):
         engine.make_request("Hi", SamplingParams(max_tokens=2, bad_words=words))
     many = ["a"] * (engine.scheduler_config.max_seq_len + 1)   # within the character limit
     with pytest.raises(ValueError, match=r"^bad_words has 1025 words: more than max_seq_len \(1024\)"):

@@ -101,8 +101,10 @@ def test_request_that_never_fits_is_refused_at_admission():
     sched = create_scheduler(num_blocks=4, block_size=4, max_seq_len=100)
     with pytest.raises(ValueError, match="whole pool"):
         sched.add(create_requests([10], max_tokens=10)[0])
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ValueError, match="whole pool"):     # the pool (16 tokens) binds, not max_seq_len
         sched.add(create_requests([90], max_tokens=20)[0])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        create_scheduler(num_blocks=64, block_size=4, max_seq_len=100).add(create_requests([90], max_tokens=20)[0])
 
 
 def test_check_room_is_admission_check_naming_the_field_sent():
@@ -112,9 +114,12 @@ def test_check_room_is_admission_check_naming_the_field_sent():
     sched.check_room(10, 6)                                             # 16 tokens: 4 blocks
     with pytest.raises(ValueError, match=r"^max_completion_tokens \+ prompt = 17 tokens .* whole pool"):
         sched.check_room(10, 7, "max_completion_tokens")
+    # past both limits: the smaller (the pool) is named (QA: "exceeds max_seq_len" past a smaller pool)
+    with pytest.raises(ValueError, match=r"^max_completion_tokens \+ prompt = 21 tokens .* whole pool"):
+        sched.check_room(10, 11, "max_completion_tokens")
     with pytest.raises(ValueError, match=r"^max_completion_tokens \(11\) \+ prompt \(10 tokens\) = 21 "
                                          r"exceeds max_seq_len 20"):
-        sched.check_room(10, 11, "max_completion_tokens")
+        create_scheduler(num_blocks=8, block_size=4, max_seq_len=20).check_room(10, 11, "max_completion_tokens")
     with pytest.raises(ValueError, match=r"^max_tokens \+ prompt = 17 tokens"):
         sched.add(create_requests([10], max_tokens=7)[0])              # admission: the same check
 
@@ -130,7 +135,7 @@ def test_prompt_without_room_for_output_is_named_as_the_cause():
         sched.check_room(16, 1, "max_completion_tokens")
     with pytest.raises(ValueError, match=r"^prompt \(20 tokens\) leaves no room for output: it reaches "
                                          r"max_seq_len 20"):
-        sched.add(create_requests([20], max_tokens=1)[0])
+        create_scheduler(num_blocks=8, block_size=4, max_seq_len=20).add(create_requests([20], max_tokens=1)[0])
 
 
 def test_finish_is_idempotent_and_frees_waiting_or_running():

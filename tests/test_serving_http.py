@@ -490,7 +490,7 @@ def bad_words_over_the_limit(llm) -> list[str]:
     ([["Paris"]], "bad_words.0: "),
     ([""], "bad_words must be non-empty strings, not only spaces"),
     ([" "], "bad_words must be non-empty strings, not only spaces"),   # said "non-empty" alone
-    ("over the limit", "bad_words have "),           # refused before it is tokenized, as over gRPC
+    ("over the limit", "bad_words has "),           # refused before it is tokenized, as over gRPC
 ])
 def test_bad_bad_words_are_400_naming_them(server, smollm2_llm, route, bad_words, message):
     if bad_words == "over the limit":
@@ -505,7 +505,7 @@ def test_bad_bad_words_are_400_naming_them(server, smollm2_llm, route, bad_words
 
 @pytest.mark.parametrize("stop, message", [
     (["x"] * 20000, "stop has 20000 words: more than max_seq_len"),
-    ("over the limit", "stop have "),
+    ("over the limit", "stop has "),
 ])
 def test_stop_lists_past_the_bad_words_limits_are_400_naming_stop(server, smollm2_llm, stop, message):
     """Stop strings are searched for at every new token: more than max_seq_len of them, or

@@ -292,7 +292,7 @@ def test_embedding_bias_words_beyond_what_max_seq_len_tokens_cover_are_refused_u
     limit = engine.scheduler_config.max_seq_len * engine.tokenizer.max_chars_per_token
     words = np.array([["x" * (limit // 2), "y" * (limit // 2 + 1)]], dtype=object)   # each fits alone
     bias = dict(embedding_bias_words=words, embedding_bias_weights=np.array([[0.0, 0.0]], np.float32))
-    expected = f"embedding_bias_words have {limit + 1} characters in all: more than 1024 tokens can hold"
+    expected = f"embedding_bias_words has {limit + 1} characters in all: more than 1024 tokens can hold"
     with pytest.raises(InferenceServerException) as e:
         triton.infer("ensemble", tensors(**bias))
     assert "INVALID_ARGUMENT" in str(e.value.status()) and expected in e.value.message()

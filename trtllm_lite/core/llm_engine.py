@@ -316,7 +316,7 @@ class LLMEngine:
         per_token = self.tokenizer.max_chars_per_token
         total = sum(len(w) for w in words)
         if total > limit * per_token:
-            raise ValueError(f"{name} have {total} characters in all: more than {limit} tokens can "
+            raise ValueError(f"{name} has {total} characters in all: more than {limit} tokens can "
                              f"hold (at most {per_token} characters a token)")
 
     def _bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:

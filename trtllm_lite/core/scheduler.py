@@ -101,6 +101,11 @@ class Scheduler:
         """
         c = self.config
         total = num_prompt_tokens + max_tokens
+        pool = self.kv.pool.num_blocks * self.kv.block_size
+        # the smaller limit binds, and is the one named (QA: past a 768-token pool, "exceeds
+        # max_seq_len 2048")
+        if pool < c.max_seq_len and blocks_for(total, self.kv.block_size) > self.kv.pool.num_blocks:
+            self._refuse_past_pool(num_prompt_tokens, total, pool, name)
         if total > c.max_seq_len:
             if num_prompt_tokens >= c.max_seq_len:
                 raise ValueError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output: "
@@ -108,12 +113,14 @@ class Scheduler:
             raise ValueError(f"{name} ({max_tokens}) + prompt ({num_prompt_tokens} "
                              f"tokens) = {total} exceeds max_seq_len {c.max_seq_len}")
         if blocks_for(total, self.kv.block_size) > self.kv.pool.num_blocks:
-            pool = self.kv.pool.num_blocks * self.kv.block_size
-            if num_prompt_tokens >= pool:
-                raise ValueError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output: the whole "
-                                 f"pool holds {pool} tokens ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
-            raise ValueError(f"{name} + prompt = {total} tokens needs more KV blocks than the "
-                             f"whole pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
+            self._refuse_past_pool(num_prompt_tokens, total, pool, name)
+
+    def _refuse_past_pool(self, num_prompt_tokens: int, total: int, pool: int, name: str) -> None:
+        if num_prompt_tokens >= pool:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output: the whole "
+                             f"pool holds {pool} tokens ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
+        raise ValueError(f"{name} + prompt = {total} tokens needs more KV blocks than the "
+                         f"whole pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
 
     def add(self, seq: Sequence) -> None:
         # requests not yet scheduled; preempted sequences waiting to resume are not requests
