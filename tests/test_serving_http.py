@@ -679,6 +679,12 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(oai):
     counts = [c.usage.completion_tokens for c in chunks]
     assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 6
     assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    # chat: the role-only first chunk has sent no completion token yet, as vLLM's (QA: it counted 2)
+    chat = list(oai.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": True}))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0
+    assert chat[0].usage.total_tokens == chat[0].usage.prompt_tokens and chat[-1].usage.completion_tokens > 0
 
 
 def test_echo_with_max_tokens_0_answers_the_prompt_alone_to_score_it(oai, server, smollm2_llm):

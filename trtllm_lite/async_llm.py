@@ -246,8 +246,10 @@ class AsyncLLM:
         self._aborting: set[str] = set()   # ids whose consumer left and whose abort is queued
         self._abort_requested: set[str] = set()   # ids abort() was called for, until their stream ends
         self._preparing = 0        # requests being tokenized on a worker thread (not in _streams yet)
-        self._preparing_ids: dict[str, int] = {}   # their ids (-> how many): an abort may name them
-        self._abort_on_add: set[str] = set()       # ids aborted while being tokenized
+        # their ids -> one mark per generate() call, True once aborted by that id: an abort may
+        # name a request still being tokenized (a mark per call, not per id: a later request
+        # reusing the id must not take another's abort; QA)
+        self._preparing_calls: dict[str, list[list[bool]]] = {}
         self._abort_all_count = 0  # abort_all() calls: a request tokenized across one is refused
         self._admissions = 0       # admit()'s requests whose front end still holds them (a drain waits)
         self._aborts_at_stop = 0   # abort_all() calls before the engine stopped accepting
@@ -395,18 +397,18 @@ class AsyncLLM:
             request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt)
         else:
             self._preparing += 1
-            self._preparing_ids[request_id] = self._preparing_ids.get(request_id, 0) + 1
+            mark = [False]
+            self._preparing_calls.setdefault(request_id, []).append(mark)
             try:
                 request = await self._tokenize(functools.partial(self.engine.make_request, prompt, sampling_params,
                                                                  request_id, cache_salt), size, aborts, deadline)
             finally:
                 self._preparing -= 1
-                self._preparing_ids[request_id] -= 1
-                if not self._preparing_ids[request_id]:
-                    del self._preparing_ids[request_id]
-                # (no await from here to its stream: no abort can come between)
-                aborted_early = request_id in self._abort_on_add
-                self._abort_on_add.discard(request_id)
+                calls = self._preparing_calls[request_id]
+                calls.remove(mark)
+                if not calls:
+                    del self._preparing_calls[request_id]
+            aborted_early = mark[0]   # (no await from here to its stream: no abort can come between)
         if self._error is not None:
             raise EngineDeadError(f"engine stopped: {self._error!r}")
         if self._refuses(aborts):
@@ -450,9 +452,11 @@ class AsyncLLM:
         """Abort a request by id, in any state (its stream ends with finish reason
         'abort'). Idempotent; returns whether the request was in flight here and not already
         being aborted (a second call before the stream ends returns False)."""
-        if request_id in self._preparing_ids and request_id not in self._streams:   # being tokenized (QA: lost)
-            found = request_id not in self._abort_on_add
-            self._abort_on_add.add(request_id)
+        calls = self._preparing_calls.get(request_id)
+        if calls and request_id not in self._streams:   # being tokenized (QA: the abort was lost)
+            found = not all(mark[0] for mark in calls)
+            for mark in calls:
+                mark[0] = True
             return found
         found = request_id in self._streams and request_id not in self._abort_requested
         if found:

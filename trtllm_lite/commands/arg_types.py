@@ -6,18 +6,20 @@ import argparse
 import json
 
 
-def at_least(minimum: float, kind: type = int, strict: bool = False):
+def at_least(minimum: float, kind: type = int, strict: bool = False, maximum: float | None = None):
     """A type that reads ``kind`` (int or float) and refuses values below ``minimum`` (with
-    ``strict``: at or below it, e.g. a timeout of 0 s)."""
-    noun = "an integer" if kind is int else "a number"
-    bound = f"> {minimum}" if strict else f">= {minimum}"
+    ``strict``: at or below it, e.g. a timeout of 0 s), above ``maximum``, and, for floats,
+    infinities."""
+    noun = "an integer" if kind is int else "a finite number"
+    bound = (f"> {minimum}" if strict else f">= {minimum}") + ("" if maximum is None else f" and <= {maximum}")
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {noun}, got {text!r}") from None
-        if not (value > minimum if strict else value >= minimum):   # NaN fails both
+        above = value > minimum if strict else value >= minimum      # NaN fails both
+        if not above or value == float("inf") or maximum is not None and value > maximum:
             raise argparse.ArgumentTypeError(f"must be {noun} {bound}, got {text}")
         return value
     return parse

@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
     g.add_argument("--max-waiting-requests", type=at_least(1), default=256,
                    help="requests waiting to be scheduled at most; more get RESOURCE_EXHAUSTED / 429 (default 256)")
-    g.add_argument("--max-message-bytes", type=at_least(1), default=16 << 20,
+    g.add_argument("--max-message-bytes", type=at_least(1024, maximum=(1 << 31) - 1), default=16 << 20,
                    help="largest gRPC message and HTTP request body (bytes; default 16 MiB)")
     g.add_argument("--request-timeout", type=at_least(0, float, strict=True), default=None, help="seconds a request may run at most")
     g.add_argument("--shutdown-grace", type=at_least(0, float), default=30.0,

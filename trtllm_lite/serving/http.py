@@ -643,7 +643,11 @@ class ResponseFormat:
                 started.add(index)
                 role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None, "stop_reason": None}
-                yield _sse({**self._base(True), "choices": [role], **({"usage": self.usage(accs)} if continuous else {})})
+                chunk = {**self._base(True), "choices": [role]}
+                if continuous:   # vLLM's role chunk: no completion tokens sent yet (QA: it counted them)
+                    usage = self.usage(accs)
+                    chunk["usage"] = dict(usage, completion_tokens=0, total_tokens=usage["prompt_tokens"])
+                yield _sse(chunk)
                 first = False
             text = "" if self.echo_only else o.text
             if first and self.prompt_texts:

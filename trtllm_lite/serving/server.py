@@ -198,8 +198,11 @@ def _check_tls_pair(cert: str, key: str) -> None:
     for path, name in ((cert, "tls_cert (--tls-cert)"), (key, "tls_key (--tls-key)")):
         if not os.path.isfile(path):
             raise ValueError(f"{name} {path!r}: no such file")
+    def no_passphrase():   # an encrypted key: OpenSSL would prompt on the terminal (QA: it hung)
+        raise ValueError("tls_key (--tls-key) is encrypted: give an unencrypted PEM private key")
+
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=no_passphrase)
     except (ssl.SSLError, OSError) as e:
         raise ValueError(f"tls_cert / tls_key (--tls-cert, --tls-key): not a PEM certificate chain and its "
                          f"private key: {e}") from None

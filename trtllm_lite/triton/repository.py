@@ -37,7 +37,7 @@ class Option:
 ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("max_num_seqs", int, "most sequences in one step (default: the engine's build value)", minimum=1),
     Option("max_num_batched_tokens", int, "token budget of one step (default: build value; CPU backend at most 512)", minimum=1),
-    Option("max_seq_len", int, "prompt + output tokens at most (default: build value)", minimum=1),
+    Option("max_seq_len", int, "prompt + output tokens at most (default: build value)", minimum=2),
     Option("kv_cache_memory_bytes", int, "bytes for the K and V pools (default 1 GiB, capped)", minimum=1),
     Option("num_kv_blocks", int, "KV pool size in blocks (overrides kv_cache_memory_bytes)", minimum=1),
     Option("kv_cache_prefault", bool, "commit the KV pool's memory at start (default true; CPU)"),

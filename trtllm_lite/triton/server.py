@@ -28,6 +28,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from ..commands.arg_types import port_number
 from .install import TritonInstall
 
 def server_env(python: str | os.PathLike, base: dict | None = None) -> dict[str, str]:
@@ -195,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", default=None, help="where tools/setup_triton.sh installed the server "
                    "(default: $TRTLLM_LITE_TRITON_HOME or ~/.cache/trtllm-lite/triton)")
     p.add_argument("--host", default="127.0.0.1", help="address of the three endpoints (default: %(default)s)")
-    p.add_argument("--grpc-port", type=int, default=8001, help="(default: %(default)s)")
-    p.add_argument("--http-port", type=int, default=8000, help="(default: %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=8002, help="(default: %(default)s)")
+    p.add_argument("--grpc-port", type=port_number, default=8001, help="(default: %(default)s)")
+    p.add_argument("--http-port", type=port_number, default=8000, help="(default: %(default)s)")
+    p.add_argument("--metrics-port", type=port_number, default=8002, help="(default: %(default)s)")
     args, extra = p.parse_known_args(argv)
     if not os.path.isdir(args.model_repository):
         p.error(f"--model-repository {args.model_repository!r} is not a directory")
@@ -222,9 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        if server is not None:
-            server.stop()
-        signal.signal(signal.SIGTERM, previous)
+        # a second SIGTERM or Ctrl-C must not cut the stop short and leave the server running (QA)
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if server is not None:
+                server.stop()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, interrupt)
     return (server.process.returncode or 0) if server is not None and server.process is not None else 0
 
 
