@@ -10,6 +10,7 @@ waiting queue, to resume from its prompt plus the tokens it already generated.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -66,7 +67,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_preempted_waiting = 0   # preempted sequences back in ``waiting`` (not new requests)
 
     # -- admission ------------------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
@@ -121,6 +121,12 @@ class Scheduler:
                              f"pool holds {pool} tokens ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
         raise ValueError(f"{name} + prompt = {total} tokens needs more KV blocks than the "
                          f"whole pool holds ({self.kv.pool.num_blocks} x {self.kv.block_size} tokens)")
+
+    @property
+    def num_preempted_waiting(self) -> int:
+        """Preempted sequences back in ``waiting`` to resume (not new requests): they go back to
+        its front (:meth:`_preempt`) and new ones to its back, so they are its head."""
+        return sum(1 for _ in itertools.takewhile(lambda s: s.num_preemptions, self.waiting))
 
     def add(self, seq: Sequence) -> None:
         # requests not yet scheduled; preempted sequences waiting to resume are not requests
@@ -181,8 +187,6 @@ class Scheduler:
             if n == 0 or not self.kv.allocate_slots(seq, n, computed):
                 break
             self.waiting.popleft()
-            if seq.num_preemptions:
-                self.num_preempted_waiting -= 1
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 self.kv.record_prefix_query(seq.num_prompt_tokens, hit_tokens)
@@ -222,7 +226,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.num_preempted_waiting += 1
         self.waiting.appendleft(seq)
 
     # -- after the step -------------------------------------------------------------------
@@ -234,8 +237,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            if seq.num_preemptions:
-                self.num_preempted_waiting -= 1
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
