@@ -24,9 +24,25 @@ def read_bandwidth(num_threads: int | None = None, nbytes: int = 512 << 20, repe
     for the maximum over 100 MB). Over the default 512 MiB, more than the L3 of the machines
     so far, this is the DRAM rate; over fewer bytes, read again and again as decode steps read
     their weights, it is what the caches give (:func:`resident_read_bandwidth`)."""
-    num_threads = num_threads or os.cpu_count() or 1
+    return _best_threaded_read(np.ones(nbytes // 4, np.float32), num_threads, repeats)
+
+
+def resident_read_bandwidth(nbytes: int, num_threads: int | None = None, repeats: int = 9) -> float:
+    """Read bandwidth (bytes/s) over ``nbytes``, the same buffer read again and again (best of
+    ``repeats`` after one warm-up pass over it): a decode step's weights as a batch-1 engine
+    sees them when they fit in the CPU's last-level cache (the Xeon VM of session 41, 480 MiB
+    L3: ~50 GB/s over 100 MB, against ~31 from DRAM). The suite's bounds use the DRAM rate
+    (:func:`read_bandwidth` over 512 MiB), as the issue defines them; this one shows how much of
+    an engine's bytes the caches could serve."""
     data = np.ones(nbytes // 4, np.float32)
-    parts = np.array_split(data, num_threads)
+    _best_threaded_read(data, num_threads, 1)
+    return _best_threaded_read(data, num_threads, repeats)
+
+
+def _best_threaded_read(data: np.ndarray, num_threads: int | None, repeats: int) -> float:
+    """Bytes/s of the fastest of ``repeats`` passes of ``num_threads`` threads (default all
+    cores) each taking the maximum of their share of ``data``."""
+    parts = np.array_split(data, num_threads or os.cpu_count() or 1)
     best = float("inf")
     for _ in range(repeats):
         threads = [threading.Thread(target=np.max, args=(p,)) for p in parts]
@@ -36,18 +52,7 @@ def read_bandwidth(num_threads: int | None = None, nbytes: int = 512 << 20, repe
         for th in threads:
             th.join()
         best = min(best, time.perf_counter() - t)
-    return nbytes / best
-
-
-def resident_read_bandwidth(nbytes: int, num_threads: int | None = None, repeats: int = 9) -> float:
-    """Read bandwidth (bytes/s) over ``nbytes``, the same buffer read again and again (best of
-    ``repeats`` after one warm-up pass): a decode step's weights as a batch-1 engine sees them
-    when they fit in the CPU's last-level cache (the Xeon VM of session 41, 480 MiB L3: ~50
-    GB/s over 100 MB, against ~31 from DRAM). The suite's bounds use the DRAM rate
-    (:func:`read_bandwidth` over 512 MiB), as the issue defines them; this one shows how much of
-    an engine's bytes the caches could serve."""
-    read_bandwidth(num_threads, nbytes, 1)
-    return read_bandwidth(num_threads, nbytes, repeats)
+    return data.nbytes / best
 
 
 def gemv_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
