@@ -627,6 +627,39 @@ def test_graceful_shutdown(smollm2_engine):
     assert elapsed < 30
 
 
+def test_second_signal_cuts_the_grace_short(smollm2_engine):
+    """A second SIGTERM during a long grace aborts the request in flight at once (its stream
+    still ends with its final response) and the server exits 0, as a second Ctrl-C stops
+    vLLM's server; it used to wait out the whole grace (leftover, session 41)."""
+    server = ServerProcess(smollm2_engine, *ENGINE_ARGS, "--shutdown-grace", "600", metrics=False)
+    results = {}
+    try:
+        with LLMClient(server.grpc, timeout=120) as c:
+            def consume():
+                try:
+                    results["long"] = list(c.generate("Tell me about the sea.", max_tokens=1000,
+                                                      ignore_eos=True))[-1].outputs[0].finish_reason
+                except grpc.RpcError as e:
+                    results["long"] = e.code()
+
+            long = threading.Thread(target=consume)
+            long.start()
+            assert wait_until(lambda: c.model_info().num_running == 1, timeout=30)
+            server.signal()
+            time.sleep(1.0)
+            assert server.proc.poll() is None              # the first signal waits for the request
+            t0 = time.monotonic()
+            server.signal()
+            rc = server.wait(60)
+            elapsed = time.monotonic() - t0
+            long.join(60)
+    finally:
+        server.kill()
+    assert rc == 0
+    assert results["long"] == "abort"
+    assert elapsed < 20
+
+
 @pytest.fixture(scope="module")
 def local_llm(smollm2_engine):
     """An AsyncLLM in this process, for EngineService's own tests (no server)."""

@@ -496,13 +496,14 @@ class AsyncLLM:
             self._aborts_at_stop = self._abort_all_count
         self._accepting = False
 
-    async def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float, cut_short: asyncio.Event | None = None) -> bool:
         """Stop accepting, then wait up to ``timeout`` s for in-flight requests (those being
         tokenized too, and admitted ones their front ends still prepare: :meth:`admit`) to
-        finish. Returns True if none is left."""
+        finish, or until ``cut_short`` is set (the server's second signal). Returns True if
+        none is left."""
         self.stop_accepting()
         end = time.monotonic() + timeout
-        while not self._drained() and time.monotonic() < end:
+        while not self._drained() and time.monotonic() < end and not (cut_short and cut_short.is_set()):
             await asyncio.sleep(0.02)
         return self._drained()
 

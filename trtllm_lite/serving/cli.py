@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-grace", type=at_least(0, float), default=30.0,
                    help="seconds the server takes to stop on SIGTERM / SIGINT (it exits within them): "
                         "in-flight requests get the grace less up to 2 s kept for the final flush, "
-                        "then the rest are aborted (default 30)")
+                        "then the rest are aborted; a second signal aborts them at once (default 30)")
     g.add_argument("--stream-queue-size", type=at_least(1), default=64,
                    help="deltas held per request before merging (a slow client never blocks the engine; default 64)")
     g.add_argument("--log-level", default="INFO", type=str.upper,

@@ -56,7 +56,7 @@ class ServerConfig:
         request_timeout: seconds a request may run at most (> 0; None: no limit).
         shutdown_grace: seconds the server takes to stop on SIGTERM / SIGINT, all told (>= 0):
             in-flight requests get ``shutdown_grace`` less up to 2 s kept for the final
-            flush to finish, then the rest are aborted.
+            flush to finish, then the rest are aborted (at once on a second signal).
         engine_options: ``LLMEngine`` keyword arguments (max_num_seqs, num_threads, ...).
 
     Raises:
@@ -275,9 +275,10 @@ class Server:
             self.addresses["http"] = await self.http.start()
         return self.addresses
 
-    async def stop(self) -> None:
+    async def stop(self, cut_short: asyncio.Event | None = None) -> None:
         """Graceful: NOT_SERVING, refuse new requests, let in-flight ones finish within the
-        grace period, abort the rest, stop the engine."""
+        grace period (or until ``cut_short`` is set: :func:`serve`'s second signal), abort the
+        rest, stop the engine."""
         await self.health.enter_graceful_shutdown()
         self.llm.stop_accepting()
         grace = self.config.shutdown_grace
@@ -285,7 +286,7 @@ class Server:
         # the front ends stay up (health answers NOT_SERVING) while in-flight requests finish;
         # what is left at the deadline is aborted in the engine, so every stream still gets
         # its final response (finish reason 'abort') before the front ends stop
-        await self.llm.drain(max(grace - flush, 0.0))
+        await self.llm.drain(max(grace - flush, 0.0), cut_short)
         self.llm.abort_all()
         await self.llm.drain(flush)
         waits = []
@@ -300,16 +301,27 @@ class Server:
 
 
 async def serve(config: ServerConfig, ready_file=None) -> int:
-    """Run until SIGTERM / SIGINT, then shut down gracefully; return the exit code (0).
+    """Run until SIGTERM / SIGINT, then shut down gracefully; return the exit code (0). A
+    second SIGTERM / SIGINT during the grace period ends it: the requests still in flight are
+    aborted at once (each stream still gets its final response), as a second Ctrl-C stops
+    vLLM's and uvicorn's servers without waiting.
 
     Prints one line ``trtllm-lite serving {json of addresses}`` to ``ready_file`` (default
     stdout) once every listener is up.
     """
     server = Server(config)
-    stop = asyncio.Event()
+    stop, cut_short = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+        elif not cut_short.is_set():
+            log.warning("a second signal: aborting the requests still in flight now")
+            cut_short.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         addresses = await server.start()
         print(f"trtllm-lite serving {json.dumps(addresses)}", file=ready_file or sys.stdout, flush=True)
@@ -323,5 +335,5 @@ async def serve(config: ServerConfig, ready_file=None) -> int:
         await stop.wait()
         log.info("shutting down (grace %.0f s)", config.shutdown_grace)
     finally:
-        await server.stop()
+        await server.stop(cut_short)
     return 0
