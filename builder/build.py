@@ -13,7 +13,7 @@ import onnx
 from trtllm_lite.engine_dir import ENGINE_FORMAT_VERSION, MANIFEST, check_kv_cache_dtype_name, sha256_file
 
 from .export_onnx import export_graphs
-from .fused_ops import fuse_decoder_layers
+from .fused_ops import fuse_decoder_layers, use_float_linears
 from .draft import keep_first_layers
 from .loaders import load_model
 from .paged_attention import with_kv_write_in_op, without_attention_metadata
@@ -236,6 +236,18 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         if done == total or done % 50 == 0:
             _log(f"writing weights {done}/{total}")
 
+    kernel_models, float_linear_models = {}, {}
+    if bc.backend == "onnxruntime":   # for sessions with trtllm-lite's kernels (no attention metadata; the op stores the K/V)
+        for kind, graph in graphs.items():
+            kernel_models[f"{kind}.kernels.onnx"] = fuse_decoder_layers(
+                with_kv_write_in_op(without_attention_metadata(graph)))
+            if not quantized:   # float32 linears as FloatLinear (their panels join the weights)
+                model, replaced = use_float_linears(kernel_models[f"{kind}.kernels.onnx"], store)
+                if replaced:
+                    float_linear_models[f"{kind}.kernels.float_linear.onnx"] = fuse_decoder_layers(model)
+        if float_linear_models:
+            _log(f"float32 linears as FloatLinear in {sorted(float_linear_models)} (their weights also "
+                 f"stored in 32-row panels)")
     weight_table = store.write(os.path.join(output, store.filename), progress)
     variants = _accuracy_variants(graphs, bc.accuracy_level) if quantized and bc.quantization != W8A8 else {}
     for kind, graph in graphs.items():
@@ -244,13 +256,11 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     for level, files in variants.items():
         for kind, file in files.items():
             onnx.save(_set_accuracy_level(graphs[kind], level), os.path.join(output, file))
-    kernel_graphs = {}
-    if bc.backend == "onnxruntime":   # for sessions with trtllm-lite's kernels (no attention metadata; the op stores the K/V)
-        for kind, graph in graphs.items():
-            kernel_graphs[kind] = f"{kind}.kernels.onnx"
-            onnx.save(fuse_decoder_layers(with_kv_write_in_op(without_attention_metadata(graph))),
-                      os.path.join(output, kernel_graphs[kind]))
-            onnx.checker.check_model(os.path.join(output, kernel_graphs[kind]))
+    for file, model in {**kernel_models, **float_linear_models}.items():
+        onnx.save(model, os.path.join(output, file))
+        onnx.checker.check_model(os.path.join(output, file))
+    kernel_graphs = {file.split(".")[0]: file for file in kernel_models}
+    float_linear_graphs = {file.split(".")[0]: file for file in float_linear_models}
     tensorrt = None
     if bc.backend in KV_WRITE:
         limits = ProfileLimits(bc.max_num_seqs, bc.max_num_batched_tokens, bc.max_seq_len, bc.block_size)
@@ -268,7 +278,12 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
         "weights": {"file": store.filename, "tensors": weight_table},
         "quantization": {"method": bc.quantization, "weights": {n: q.source for n, q in quantized.items()}},
         "graph_variants": {"accuracy_level": {str(k): v for k, v in variants.items()},
-                           "custom_kernels": kernel_graphs},
+                           "custom_kernels": kernel_graphs,
+                           "float_linear_kernels": float_linear_graphs},
+        # each graph file's weights (the runtime's own copy, without prepacking, holds only these)
+        "graph_weights": {file: sorted(_external_weights(model)) for file, model in
+                          [*((f"{kind}.onnx", g) for kind, g in graphs.items()),
+                           *kernel_models.items(), *float_linear_models.items()]},
         "tokenizer": {"files": tokenizer_files},
         "files": {},
         "versions": _versions(),
@@ -285,12 +300,20 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
     return output
 
 
+def _external_weights(model) -> set[str]:
+    """The names of ``model``'s initializers stored in the weights file."""
+    from onnx import TensorProto
+
+    return {i.name for i in model.graph.initializer if i.data_location == TensorProto.EXTERNAL}
+
+
 def build_outputs(manifest: dict) -> set[str]:
     """The files a build writes beside ``engine.json``, as its manifest names them: the graphs
     and their variants, the weights, the tokenizer's files, a TensorRT plan and its typed graph."""
     names = {g.get("file") for g in manifest.get("graphs", {}).values()}
     variants = manifest.get("graph_variants", {})
-    for files in [*variants.get("accuracy_level", {}).values(), variants.get("custom_kernels") or {}]:
+    for files in [*variants.get("accuracy_level", {}).values(), variants.get("custom_kernels") or {},
+                  variants.get("float_linear_kernels") or {}]:
         names.update(files.values())
     names.add(manifest.get("weights", {}).get("file"))
     names.update(manifest.get("tokenizer", {}).get("files", []))

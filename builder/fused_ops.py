@@ -81,6 +81,8 @@ nodes in one.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .onnx_graph import MS_DOMAIN
 from .paged_attention import DOMAIN
 
@@ -96,6 +98,9 @@ QUANTIZED_LINEAR_OFFSETS_OP_TYPE = "QuantizedLinearWithOffsets"
 QUANTIZED_LINEAR_SPLIT8_OP_TYPE = "QuantizedLinearSplit8"
 QUANTIZED_LINEAR_OP_TYPES = (QUANTIZED_LINEAR_OP_TYPE, QUANTIZED_LINEAR_OFFSETS_OP_TYPE, QUANTIZED_LINEAR_SPLIT8_OP_TYPE)
 QUANTIZED_LINEAR_ATTRIBUTES = ("N", "K", "block_size")
+FLOAT_LINEAR_OP_TYPE = "FloatLinear"
+FLOAT_LINEAR_PANEL = 32      # weight rows per panel (trtllm_lite/ort_kernels/float_linear.cc)
+PANELS_SUFFIX = ".panels"
 
 
 def make_rotary_function(num_heads: int, num_kv_heads: int, head_dim: int, opset: int | None = None):
@@ -272,6 +277,7 @@ def make_quantized_linear_functions(opset: int | None = None) -> list:
 
 
 DECODER_LAYER_OP_TYPE = "DecoderLayer"
+FLOAT_DECODER_LAYER_OP_TYPE = "FloatDecoderLayer"
 _LAYER_LINEARS = ("qkv", "o", "gate_up", "down")
 
 
@@ -366,29 +372,37 @@ def fuse_decoder_layers(model):
     fused: dict[int, object] = {}      # id of a layer's last node -> its DecoderLayer node
     removed: set[int] = set()
     for node in graph.node:
-        if node.domain != DOMAIN or node.op_type not in QUANTIZED_LINEAR_OP_TYPES:
+        if node.domain != DOMAIN or node.op_type not in (*QUANTIZED_LINEAR_OP_TYPES, FLOAT_LINEAR_OP_TYPE):
             continue
         chain = _match_decoder_layer(node, consumers, graph_outputs)
         if chain is None or any(id(n) in removed for n in chain):
             continue
         qkv, rotary, attention, _, o, mlp_norm, gate_up, _, down, next_norm = chain
         linears = dict(zip(_LAYER_LINEARS, (qkv, o, gate_up, down)))
+        floats = qkv.op_type == FLOAT_LINEAR_OP_TYPE
         split8 = qkv.op_type == QUANTIZED_LINEAR_SPLIT8_OP_TYPE
         offsets = split8 or qkv.op_type == QUANTIZED_LINEAR_OFFSETS_OP_TYPE
-        inputs = [qkv.input[0], mlp_norm.input[0], *qkv.input[1:4], *rotary.input[1:4], *attention.input[3:9],
-                  *o.input[1:4], mlp_norm.input[2], *gate_up.input[1:4], *down.input[1:4], next_norm.input[2]]
+        weights = slice(1, 2) if floats else slice(1, 4)   # FloatLinear's panels; qweight, scales, zero_points
+        inputs = [qkv.input[0], mlp_norm.input[0], *qkv.input[weights], *rotary.input[1:4], *attention.input[3:9],
+                  *o.input[weights], mlp_norm.input[2], *gate_up.input[weights], *down.input[weights],
+                  next_norm.input[2]]
         if offsets:
             inputs += [linears[name].input[4] for name in _LAYER_LINEARS]
         attributes = {}
         for name, linear in linears.items():
             a = _attributes(linear)
-            attributes.update({f"{name}_N": a["N"], f"{name}_K": a["K"], f"{name}_block_size": a["block_size"]})
+            attributes.update({f"{name}_N": a["N"], f"{name}_K": a["K"]})
+            if not floats:
+                attributes[f"{name}_block_size"] = a["block_size"]
         rotary_attributes, attention_attributes = _attributes(rotary), _attributes(attention)
         attributes.update(num_heads=rotary_attributes["num_heads"], num_kv_heads=rotary_attributes["num_kv_heads"],
-                          scale=attention_attributes["scale"], kv_write_in_op=1, split8=int(split8),
+                          scale=attention_attributes["scale"], kv_write_in_op=1,
                           mlp_epsilon=_attributes(mlp_norm)["epsilon"], next_epsilon=_attributes(next_norm)["epsilon"])
+        if not floats:
+            attributes["split8"] = int(split8)
         fused[id(next_norm)] = helper.make_node(
-            DECODER_LAYER_OP_TYPE, inputs, [next_norm.output[0], next_norm.output[1]],
+            FLOAT_DECODER_LAYER_OP_TYPE if floats else DECODER_LAYER_OP_TYPE, inputs,
+            [next_norm.output[0], next_norm.output[1]],
             name=f"decoder_layer_{len(fused)}", domain=DOMAIN, **attributes)
         removed.update(id(n) for n in chain)
     if not fused:
@@ -401,3 +415,66 @@ def fuse_decoder_layers(model):
 
     _keep_nodes_feeding_outputs(graph)   # (the Reshapes' shape constants)
     return out
+
+
+def float_linear_panels(weight: np.ndarray) -> np.ndarray:
+    """A linear's weight ``[N, K]`` as ``FloatLinear``'s panels ``[ceil(N / 32), K, 32]``
+    float32: ``panels[p, k, j] = weight[32 p + j, k]``, 0 for rows past ``N``."""
+    n, k = weight.shape
+    num_panels = -(-n // FLOAT_LINEAR_PANEL)
+    padded = np.zeros((num_panels * FLOAT_LINEAR_PANEL, k), np.float32)
+    padded[:n] = weight
+    return np.ascontiguousarray(padded.reshape(num_panels, FLOAT_LINEAR_PANEL, k).transpose(0, 2, 1))
+
+
+def use_float_linears(model, store):
+    """A copy of a float32 engine's kernels graph whose ``Gemm(x, W, transB=1)`` nodes (no bias,
+    ``alpha`` = ``beta`` = 1, ``W`` a float32 weight of ``store``) are ``trtllm_lite::FloatLinear
+    (x, W.panels)`` nodes (``trtllm_lite/ort_kernels/float_linear.cc``: a batch-1 decode step
+    streams the panels at ~36 GB/s where MLAS read SmolLM2's weights at ~29 on a 2-core Xeon VM).
+
+    Each weight's panels (:func:`float_linear_panels`) are added to ``store`` once, under
+    ``W + ".panels"`` (the prefill and decode graphs share them); a weight no other node of the
+    graph reads leaves the graph (the tied embedding stays: its ``Gather`` reads it). The op
+    has no ONNX function body: only sessions with trtllm-lite's kernels take these graphs.
+
+    Args:
+        model: ``onnx.ModelProto`` whose initializers are ``store``'s; left unchanged.
+        store: the engine's :class:`builder.onnx_graph.WeightStore` (written after this).
+    Returns:
+        ``(new model, number of Gemm nodes replaced)``.
+    """
+    import onnx
+    from onnx import helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    initializers = {i.name for i in graph.initializer}
+    replaced, nodes = 0, []
+    for node in graph.node:
+        a = _attributes(node)
+        weight = node.input[1] if node.op_type == "Gemm" and node.domain == "" and len(node.input) == 2 else None
+        if (weight is None or weight not in initializers or weight not in store.arrays
+                or store.arrays[weight].dtype != np.float32 or store.arrays[weight].ndim != 2
+                or a.get("transB") != 1 or a.get("transA", 0) != 0 or a.get("alpha", 1.0) != 1.0):
+            nodes.append(node)
+            continue
+        n, k = store.arrays[weight].shape
+        panels = weight + PANELS_SUFFIX
+        if panels not in store.arrays:
+            store.add(panels, float_linear_panels(store.arrays[weight]))
+        nodes.append(helper.make_node(FLOAT_LINEAR_OP_TYPE, [node.input[0], panels], list(node.output),
+                                      name=node.name, domain=DOMAIN, N=n, K=k))
+        replaced += 1
+    if not replaced:
+        return out, 0
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used = {name for node in graph.node for name in node.input}
+    kept = [i for i in graph.initializer if i.name in used]
+    new = sorted(name for name in used if name.endswith(PANELS_SUFFIX) and name not in initializers)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    graph.initializer.extend(store.initializer_protos(new))
+    return out, replaced

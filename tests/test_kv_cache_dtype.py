@@ -96,7 +96,7 @@ def test_float16_kv_cache_logits_match_hf_within_its_rounding(tiny_model, path, 
     for name, engine_dir in (("16", engine16), ("32", engine32), ("16-chunked", engine16)):
         runners[name] = OnnxRuntimeRunner(load_engine_dir(engine_dir, verify_checksums=False), 64,
                                           options=OrtOptions(custom_kernels=kernels))
-        assert all(f.endswith(".kernels.onnx") is (path != "function-bodies")
+        assert all((".kernels." in f) is (path != "function-bodies")
                    for f in runners[name].graph_files.values())
     assert runners["16"].key_cache.dtype == runners["16"].value_cache.dtype == np.float16
     steps16, tokens = run_steps(runners["16"])

@@ -163,6 +163,10 @@ def decode_bytes_per_step(manifest: dict, streamed: bool = True) -> int:
     tensors = manifest["weights"]["tensors"]
     tied = manifest["model"]["tie_word_embeddings"]
     head = "embed.weight" if tied else "lm_head.weight"
+    # a float32 engine's FloatLinear panels (builder.fused_ops.use_float_linears) are its weights
+    # again in another layout: a step reads one or the other (the same bytes where N is a
+    # multiple of 32), so the weights are counted as the engine's Gemm graphs read them
+    tensors = {n: t for n, t in tensors.items() if not n.endswith(".panels")}
     quantized_head = any(n.startswith(head + ".") for n in tensors)
     sources = manifest.get("quantization", {}).get("weights", {})
     kernel_layout = streamed and bool(sources) and manifest["build"].get("accuracy_level") == 0

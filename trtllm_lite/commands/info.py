@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
     kernel_graphs = m.get("graph_variants", {}).get("custom_kernels")
     level_graphs = {level: files for level, files in m.get("graph_variants", {}).get("accuracy_level", {}).items()
                     if str(level) != str(build.get("accuracy_level"))}
+    float_graphs = m.get("graph_variants", {}).get("float_linear_kernels")
     extras = [", ".join(kernel_graphs.values()) + " for the C++ kernels"] if kernel_graphs else []
+    extras += [", ".join(float_graphs.values()) + " for them on AVX-512 (FloatLinear)"] if float_graphs else []
     extras += [", ".join(files.values()) + f" for accuracy level {level}" for level, files in sorted(level_graphs.items())]
     print(f"graphs      {', '.join(m['graphs'])}{' (+ ' + '; '.join(extras) + ')' if extras else ''}; "
           f"tokenizer {', '.join(m['tokenizer']['files']) or 'none'}")

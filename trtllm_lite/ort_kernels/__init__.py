@@ -14,6 +14,8 @@ ONNX Runtime custom operators in the ``trtllm_lite`` domain (``register.cc`` add
   (``quantized_linear.cc``): a 4-bit (or split 8-bit) block-quantized linear at float32
   activations, in place of MatMulNBits (+ AddBlockOffsets) (``builder/fused_ops.py``,
   ``docs/quantization.md``);
+* ``FloatLinear`` (``float_linear.cc``): a float32 linear over its weight in 32-row panels, in
+  place of Gemm in a float32 engine's AVX-512 kernels graphs (``builder.fused_ops.use_float_linears``);
 * ``DecoderLayer`` (``decoder_layer.cc``): a Llama-family layer over 4-bit (or split 8-bit) linears in one node,
   its parts the kernels above (``builder.fused_ops.fuse_decoder_layers``; only in the
   ``*.kernels.onnx`` graphs, which only sessions with this library read: it has no function
@@ -46,7 +48,7 @@ from pathlib import Path
 
 LIBRARY_NAME = "libtrtllm_lite_ort_kernels.so"
 SOURCES = ("register.cc", "paged_attention.cc", "elementwise.cc", "block_offsets.cc", "quantized_linear.cc",
-           "decoder_layer.cc",
+           "decoder_layer.cc", "float_linear.cc",
            "kernel_common.h", "ort_abi.h")
 CXX_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd",
              "-fno-math-errno", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-maybe-uninitialized")
@@ -72,7 +74,8 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's flags line from ``/proc/cpuinfo`` (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -85,7 +88,7 @@ def _build_key(cxx: str) -> str:
     for name in SOURCES:
         h.update((_HERE / name).read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    for part in (" ".join(CXX_FLAGS), version, _cpu_flags()):
+    for part in (" ".join(CXX_FLAGS), version, cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 

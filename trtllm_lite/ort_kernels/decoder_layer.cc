@@ -63,6 +63,20 @@ struct Linear {
   int64_t n = 0, k = 0, block_size = 0;
 };
 
+// FloatDecoderLayer: the same layer over float32 linears (FloatLinear's panels, one tensor a
+// linear), its 17 inputs in DecoderLayer's order less the quantized weights' second and third
+// tensors and the offsets; each goes to the DecoderLayer input slot below.
+constexpr size_t kNumFloatInputs = 17;
+constexpr ONNXTensorElementDataType kFloatInputTypes[kNumFloatInputs] = {
+    kF32, kF32, kF32,                    // normed_in, residual_in, qkv panels
+    kI64, kF32, kF32,                    // positions, cos, sin
+    kAnyType, kAnyType,                  // key_cache, value_cache
+    kI64, kI64, kI64, kI64,              // slot_mapping, block_tables, context_lens, query_start_loc
+    kF32, kF32, kF32, kF32, kF32};       // o panels, mlp_norm, gate_up panels, down panels, next_norm
+constexpr size_t kFloatSlots[kNumFloatInputs] = {kNormedIn, kResidualIn, kQkv, kPositions, kCos, kSin, kKeyCache,
+                                                 kKeyCache + 1, kSlotMapping, kSlotMapping + 1, kSlotMapping + 2,
+                                                 kSlotMapping + 3, kO, kMlpNorm, kGateUp, kDown, kNextNorm};
+
 // Steps of up to this many tokens (decode steps) run the layer's parts in one WorkRegion, where
 // ONNX Runtime's dispatch is a share of each part's time worth saving.
 constexpr int64_t kRegionTokens = 16;
@@ -70,6 +84,7 @@ constexpr int64_t kRegionTokens = 16;
 struct Kernel : KernelBase {
   Linear qkv, o, gate_up, down;
   int64_t num_heads = 0, num_kv_heads = 0, kv_write_in_op = 1, split8 = 0;
+  bool float_linears = false;   // FloatDecoderLayer: the linears are FloatLinear's
   float scale = 1.0f, mlp_epsilon = 1e-6f, next_epsilon = 1e-6f;
   // the parts, made on the first call (when the node's offsets are known to be there or not)
   std::unique_ptr<KernelBase> qkv_part, rotary_part, attention_part, o_part, gate_up_part, silu_part, down_part;
@@ -84,10 +99,13 @@ struct Kernel : KernelBase {
 OrtStatus* Kernel::make_parts(bool offsets) {
   with_offsets = offsets;
   const bool split = split8 == 1;
-  qkv_part.reset(new_quantized_linear(qkv.n, qkv.k, qkv.block_size, offsets, split));
-  o_part.reset(new_quantized_linear(o.n, o.k, o.block_size, offsets, split));
-  gate_up_part.reset(new_quantized_linear(gate_up.n, gate_up.k, gate_up.block_size, offsets, split));
-  down_part.reset(new_quantized_linear(down.n, down.k, down.block_size, offsets, split));
+  auto linear = [&](const Linear& l) {
+    return float_linears ? new_float_linear(l.n, l.k) : new_quantized_linear(l.n, l.k, l.block_size, offsets, split);
+  };
+  qkv_part.reset(linear(qkv));
+  o_part.reset(linear(o));
+  gate_up_part.reset(linear(gate_up));
+  down_part.reset(linear(down));
   rotary_part.reset(new_rotary_split_qkv(num_heads, num_kv_heads));
   attention_part.reset(new_paged_attention(scale, kv_write_in_op == 1));
   silu_part.reset(new_silu_and_mul());
@@ -112,10 +130,14 @@ Tensor intermediate(std::vector<float>& buffer, const Dims& dims) {
 
 OrtStatus* Kernel::compute(OrtKernelContext* context) {
   Tensor in[kNumInputs];
-  for (size_t i = 0; i < kNumRequired; ++i) RETURN_IF_ERROR(read_input(context, i, &in[i]));
-  // the offsets: all four or none (input i is absent when its value is null)
   size_t offsets = 0;
-  for (size_t i = kOffsets; i < kNumInputs; ++i) {
+  if (float_linears) {
+    for (size_t i = 0; i < kNumFloatInputs; ++i) RETURN_IF_ERROR(read_input(context, i, &in[kFloatSlots[i]]));
+  } else {
+    for (size_t i = 0; i < kNumRequired; ++i) RETURN_IF_ERROR(read_input(context, i, &in[i]));
+  }
+  // the offsets: all four or none (input i is absent when its value is null)
+  for (size_t i = kOffsets; i < (float_linears ? kOffsets : kNumInputs); ++i) {
     RETURN_IF_ERROR(input_value(context, i, &in[i].value));
     if (in[i].value) {
       RETURN_IF_ERROR(read_input(context, i, &in[i]));
@@ -186,6 +208,7 @@ OrtStatus* Kernel::run_layer(OrtKernelContext* context, const Tensor* in, float*
   auto linear = [&](KernelBase& part, const Tensor& input, size_t first, size_t index, std::vector<float>& out,
                     Dims& out_dims) {
     const auto w = weights(first, index);
+    if (float_linears) return run_part(context, part, {input, w[0]}, &out, &out_dims, 1);
     return with_offsets ? run_part(context, part, {input, w[0], w[1], w[2], w[3]}, &out, &out_dims, 1)
                         : run_part(context, part, {input, w[0], w[1], w[2]}, &out, &out_dims, 1);
   };
@@ -216,18 +239,20 @@ OrtStatus* Kernel::run_layer(OrtKernelContext* context, const Tensor* in, float*
   return skip_norm(context, next);
 }
 
-OrtStatus* read_linear(const OrtKernelInfo* info, const std::string& name, Linear* out) {
+OrtStatus* read_linear(const OrtKernelInfo* info, const std::string& name, Linear* out, bool float_linear) {
   RETURN_IF_ERROR(int_attribute(info, (name + "_N").c_str(), &out->n));
   RETURN_IF_ERROR(int_attribute(info, (name + "_K").c_str(), &out->k));
-  return int_attribute(info, (name + "_block_size").c_str(), &out->block_size);
+  return float_linear ? nullptr : int_attribute(info, (name + "_block_size").c_str(), &out->block_size);
 }
 
+template <bool FLOAT_LINEARS>
 OrtStatus* create_kernel(const OrtKernelInfo* info, void** kernel) {
   return new_kernel<Kernel>(kernel, [info](Kernel& k) {
-    RETURN_IF_ERROR(read_linear(info, "qkv", &k.qkv));
-    RETURN_IF_ERROR(read_linear(info, "o", &k.o));
-    RETURN_IF_ERROR(read_linear(info, "gate_up", &k.gate_up));
-    RETURN_IF_ERROR(read_linear(info, "down", &k.down));
+    k.float_linears = FLOAT_LINEARS;
+    RETURN_IF_ERROR(read_linear(info, "qkv", &k.qkv, FLOAT_LINEARS));
+    RETURN_IF_ERROR(read_linear(info, "o", &k.o, FLOAT_LINEARS));
+    RETURN_IF_ERROR(read_linear(info, "gate_up", &k.gate_up, FLOAT_LINEARS));
+    RETURN_IF_ERROR(read_linear(info, "down", &k.down, FLOAT_LINEARS));
     RETURN_IF_ERROR(int_attribute(info, "num_heads", &k.num_heads));
     RETURN_IF_ERROR(int_attribute(info, "num_kv_heads", &k.num_kv_heads));
     RETURN_IF_ERROR(optional_int_attribute(info, "kv_write_in_op", &k.kv_write_in_op));
@@ -243,7 +268,13 @@ constexpr ONNXTensorElementDataType kOutputTypes[2] = {kF32, kF32};
 }  // namespace
 
 const OrtCustomOp* decoder_layer_op() {
-  static const CustomOp op({"DecoderLayer", kInputTypes, kNumInputs, 2, create_kernel, kNumRequired, kOutputTypes});
+  static const CustomOp op({"DecoderLayer", kInputTypes, kNumInputs, 2, create_kernel<false>, kNumRequired, kOutputTypes});
+  return &op;
+}
+
+const OrtCustomOp* float_decoder_layer_op() {
+  static const CustomOp op({"FloatDecoderLayer", kFloatInputTypes, kNumFloatInputs, 2, create_kernel<true>,
+                            kNumFloatInputs, kOutputTypes});
   return &op;
 }
 

@@ -530,12 +530,15 @@ const OrtCustomOp* quantized_linear_with_offsets_op();
 const OrtCustomOp* quantized_linear_split8_op();
 const OrtCustomOp* decoder_layer_op();
 const OrtCustomOp* skip_rms_norm_op();
+const OrtCustomOp* float_linear_op();
+const OrtCustomOp* float_decoder_layer_op();
 
 // The parts of a fused kernel (decoder_layer.cc), made with the attributes their own nodes take.
 KernelBase* new_quantized_linear(int64_t n, int64_t k, int64_t block_size, bool with_offsets, bool split8);
 KernelBase* new_paged_attention(float scale, bool kv_write_in_op);
 KernelBase* new_rotary_split_qkv(int64_t num_heads, int64_t num_kv_heads);
 KernelBase* new_silu_and_mul();
+KernelBase* new_float_linear(int64_t n, int64_t k);
 
 // Rows of out = rms_norm(a + b) * gamma and sum = a + b (sum may be a or b; out neither), in
 // the arithmetic of ONNX Runtime's SkipSimplifiedLayerNormalization, bit for bit: each row's

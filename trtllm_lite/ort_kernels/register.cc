@@ -60,7 +60,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   for (const OrtCustomOp* op : {paged_attention_op(), rotary_split_qkv_op(), silu_and_mul_op(),
                                 add_block_offsets_op(), quantized_linear_op(), quantized_linear_with_offsets_op(),
                                 quantized_linear_split8_op(), decoder_layer_op(), quantize_rows_op(),
-                                dequantize_rows_op(), block_hadamard_op(), skip_rms_norm_op()})
+                                dequantize_rows_op(), block_hadamard_op(), skip_rms_norm_op(), float_linear_op(),
+                                float_decoder_layer_op()})
     RETURN_IF_ERROR(slot<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, kCustomOpDomainAdd)(
         domain, op));
   // the domain must outlive every session that uses it: it is never released

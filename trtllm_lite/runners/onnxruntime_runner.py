@@ -51,11 +51,27 @@ def read_weight(engine: EngineDir, name: str) -> np.ndarray:
     return _tensor(np.fromfile(engine.file(info["file"]), dtype=np.uint8, count=t["nbytes"], offset=t["offset"]), t)
 
 
-def load_weights(engine: EngineDir) -> dict[str, np.ndarray]:
-    """Read ``weights.bin`` once; return ``name -> view`` per the manifest's weight table."""
+def load_weights(engine: EngineDir, files: list[str] | None = None) -> dict[str, np.ndarray]:
+    """Read ``weights.bin`` once; return ``name -> view`` per the manifest's weight table.
+    With ``files`` (graph files), only the tensors those graphs read, where the manifest lists
+    them (``graph_weights``: a float32 engine's ``FloatLinear`` graphs read its weights' panels,
+    the others the weights themselves; each set is what one copy in memory should hold)."""
     info = engine.manifest["weights"]
-    buffer = np.fromfile(engine.file(info["file"]), dtype=np.uint8)
-    return {name: _tensor(buffer[t["offset"]:t["offset"] + t["nbytes"]], t) for name, t in info["tensors"].items()}
+    tensors = info["tensors"]
+    listed = engine.manifest.get("graph_weights") or {}
+    if files and all(f in listed for f in files):
+        wanted = set().union(*(listed[f] for f in files))
+        tensors = {name: t for name, t in tensors.items() if name in wanted}
+    if not tensors:
+        return {}
+    path = engine.file(info["file"])
+    if len(tensors) == len(info["tensors"]):
+        buffer = np.fromfile(path, dtype=np.uint8)
+        return {name: _tensor(buffer[t["offset"]:t["offset"] + t["nbytes"]], t) for name, t in tensors.items()}
+    out = {}   # only what the graphs read: each tensor its own buffer
+    for name, t in tensors.items():
+        out[name] = _tensor(np.fromfile(path, dtype=np.uint8, count=t["nbytes"], offset=t["offset"]), t)
+    return out
 
 
 def run_options() -> ort.RunOptions:
@@ -107,6 +123,12 @@ class OrtOptions:
             ONNX function bodies (same results within float32 rounding; ``SkipRMSNorm`` and
             ``DecoderLayer`` bit for bit); without a C++ compiler the bodies run, with a
             warning.
+        float_linear_kernels: where the engine has them (a float32 engine built for the
+            onnxruntime backend) and the CPU has AVX-512, take the kernels graphs whose linears
+            are ``FloatLinear`` nodes over 32-row weight panels instead of ``Gemm``
+            (``trtllm_lite/ort_kernels/float_linear.cc``; default on): SmolLM2 fp32's batch-1
+            decode streams its weights at ~36 GB/s where MLAS read them at ~29 on a 2-core Xeon
+            VM. Needs ``custom_kernels``; results agree with ``Gemm``'s to float32 rounding.
         w8a8_uint8_weights: give a w8a8 engine's integer GEMMs uint8 weights (``w + 128``, zero
             point 128) instead of int8: ``None`` (the default) does where this CPU's uint8 x
             int8 GEMM saturates (x86 without VNNI or AMX: AVX2, AVX-512 without VNNI; see
@@ -117,7 +139,8 @@ class OrtOptions:
     ``TRTLLM_LITE_ORT_ACCURACY_LEVEL``, ``TRTLLM_LITE_ORT_MEM_ARENA`` (0/1),
     ``TRTLLM_LITE_ORT_ARENA_SHRINKAGE`` (0/1),
     ``TRTLLM_LITE_ORT_PREPACKING`` (0/1), ``TRTLLM_LITE_ORT_SPINNING`` (0/1),
-    ``TRTLLM_LITE_ORT_CUSTOM_KERNELS`` (0/1), ``TRTLLM_LITE_ORT_W8A8_UINT8_WEIGHTS`` (0/1); see
+    ``TRTLLM_LITE_ORT_CUSTOM_KERNELS`` (0/1), ``TRTLLM_LITE_ORT_FLOAT_LINEAR`` (0/1),
+    ``TRTLLM_LITE_ORT_W8A8_UINT8_WEIGHTS`` (0/1); see
     :meth:`from_env`.
     """
 
@@ -128,6 +151,7 @@ class OrtOptions:
     enable_prepacking: bool = True
     allow_spinning: bool = True
     custom_kernels: bool = True
+    float_linear_kernels: bool = True
     w8a8_uint8_weights: bool | None = None
 
     @classmethod
@@ -152,6 +176,7 @@ class OrtOptions:
                   "enable_prepacking": flag("TRTLLM_LITE_ORT_PREPACKING"),
                   "allow_spinning": flag("TRTLLM_LITE_ORT_SPINNING"),
                   "custom_kernels": flag("TRTLLM_LITE_ORT_CUSTOM_KERNELS"),
+                  "float_linear_kernels": flag("TRTLLM_LITE_ORT_FLOAT_LINEAR"),
                   "w8a8_uint8_weights": flag("TRTLLM_LITE_ORT_W8A8_UINT8_WEIGHTS")}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**{k: v for k, v in values.items() if v is not None})
@@ -190,12 +215,14 @@ def session_options(num_threads: int | None, prepacking: bool = False,
 
 
 def graph_files(engine: EngineDir, accuracy_level: int | None = None,
-                custom_kernels: bool = False) -> dict[str, str]:
+                custom_kernels: bool = False, float_linear: bool = False) -> dict[str, str]:
     """``kind -> graph file`` for the requested MatMulNBits accuracy level; with
     ``custom_kernels`` (trtllm-lite's kernels are registered with the sessions), the graphs
     whose PagedAttention nodes take no metadata inputs and store the step's K/V themselves,
     where the engine has them (built for the onnxruntime backend at its own accuracy level:
-    ``builder.paged_attention.without_attention_metadata`` and ``with_kv_write_in_op``).
+    ``builder.paged_attention.without_attention_metadata`` and ``with_kv_write_in_op``), and
+    with ``float_linear`` too those whose float32 linears are ``FloatLinear`` nodes, where the
+    engine has them (:func:`uses_float_linears`).
 
     Raises:
         ValueError: the engine was not built with a graph variant for that level.
@@ -203,6 +230,8 @@ def graph_files(engine: EngineDir, accuracy_level: int | None = None,
     files = {kind: g["file"] for kind, g in engine.manifest["graphs"].items()}
     variants = engine.manifest.get("graph_variants", {})
     if accuracy_level is None or accuracy_level == engine.build.get("accuracy_level", accuracy_level):
+        if custom_kernels and float_linear and variants.get("float_linear_kernels"):
+            return dict(variants["float_linear_kernels"])
         return dict(variants.get("custom_kernels") or files) if custom_kernels else files
     levels = variants.get("accuracy_level", {})
     if str(accuracy_level) not in levels:
@@ -211,6 +240,15 @@ def graph_files(engine: EngineDir, accuracy_level: int | None = None,
                          f"accuracy levels {built}" if is_quantized(engine) else
                          f"accuracy_level {accuracy_level}: engine {engine.path!r} is not quantized")
     return dict(levels[str(accuracy_level)])
+
+
+def uses_float_linears(options: OrtOptions) -> bool:
+    """Whether sessions made with ``options`` take an engine's ``FloatLinear`` graphs where it
+    has them: asked for (:attr:`OrtOptions.float_linear_kernels`), trtllm-lite's kernels
+    registered, and a CPU with AVX-512 (elsewhere the kernel's portable loop would be slower
+    than MLAS, so the ``Gemm`` graphs run)."""
+    return (options.float_linear_kernels and kernels_registered(options)
+            and "avx512f" in ort_kernels.cpu_flags().split())
 
 
 def kernels_registered(options: OrtOptions) -> bool:
@@ -242,10 +280,14 @@ def create_sessions(engine: EngineDir, num_threads: int | None = None,
     if prepacking:      # ONNX Runtime reads weights.bin itself and keeps only what it repacks
         values = {}
     else:
-        weights = weights if weights is not None else load_weights(engine)
+        files = files or graph_files(engine, options.accuracy_level, kernels_registered(options),
+                                     uses_float_linears(options))
+        weights = weights if weights is not None else load_weights(
+            engine, [f for kind, f in files.items() if kinds is None or kind in kinds])
         values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in weights.items()}
     sessions = {}
-    files = files or graph_files(engine, options.accuracy_level, kernels_registered(options))
+    files = files or graph_files(engine, options.accuracy_level, kernels_registered(options),
+                                 uses_float_linears(options))
     unsigned = uses_uint8_weights(engine, options)
     converted: dict[str, np.ndarray] = {}   # uint8 weights, made once for both graphs
     uint8: dict[str, np.ndarray] = {}
@@ -381,7 +423,8 @@ class OnnxRuntimeRunner:
         # the C++ PagedAttention kernel attends each sequence over its own keys (no padding to
         # the call's longest query or context), so any mix of sequences is one graph call
         self.ragged_attention = kernels
-        self.graph_files = graph_files(engine, self.options.accuracy_level, kernels)
+        self.graph_files = graph_files(engine, self.options.accuracy_level, kernels,
+                                       uses_float_linears(self.options))
         self.sessions, self._weight_values = create_sessions(
             engine, num_threads, options=self.options, kinds=("prefill",) if self.single_session else None,
             files=self.graph_files)
