@@ -1268,3 +1268,51 @@ def test_a_long_tokenize_answer_does_not_hold_the_event_loop(smollm2_engine):
         assert longest < took / 4, (longest, took)
     finally:
         llm.shutdown()
+
+
+def test_null_fields_take_their_defaults(server):
+    """``null`` for n, stream, echo, a chat's logprobs and stream_options' flags is their
+    default, as OpenAI's and vLLM's servers take it (QA, session 42: a 400 each)."""
+    base = f"http://{server.http}"
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": None, "n": None,
+                                                   "echo": None}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and not r.json()["choices"][0]["text"].startswith("Hi")
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "logprobs": None,
+                                                        "n": None, "add_generation_prompt": None}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    with httpx.stream("POST", f"{base}/v1/completions", json={
+            "prompt": "Hi", "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": None, "continuous_usage_stats": None}}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert all('"usage"' not in line or '"usage":null' in line.replace(" ", "") for line in lines)
+
+
+def test_request_checks_found_by_qa_42(server, smollm2_llm):
+    """/tokenize checks chat messages as the chat route does; /detokenize keeps special tokens
+    (vLLM's), or skips them when asked; response_format needs its type; min_tokens past the
+    max names the field sent; a text/json body is told its Content-Type."""
+    base = f"http://{server.http}"
+    for route, extra in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 2})):
+        r = httpx.post(f"{base}{route}", json={"messages": [{"role": "user"}], **extra}, timeout=60)
+        assert r.status_code == 400 and "message 0 (role 'user') has no content" in r.json()["error"]["message"]
+    ids = httpx.post(f"{base}/tokenize", json={"messages": MESSAGES}, timeout=60).json()["tokens"]
+    text = httpx.post(f"{base}/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+    assert text == smollm2_llm.tokenizer.decode(ids, skip_special_tokens=False) and text.startswith("<|im_start|>")
+    plain = httpx.post(f"{base}/detokenize", json={"tokens": ids, "skip_special_tokens": True}, timeout=60).json()
+    assert "<|im_start|>" not in plain["prompt"]
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2,
+                                                        "response_format": {}}, timeout=60)
+    assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_completion_tokens": 2,
+                                                        "min_tokens": 5}, timeout=60)
+    assert r.status_code == 400 and "min_tokens (5) exceeds max_completion_tokens (2)" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 0, "echo": True, "min_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 400 and "min_tokens (1) exceeds max_tokens (0)" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}',
+                   headers={"Content-Type": "text/json"}, timeout=60)
+    assert r.status_code == 400 and "Content-Type here: text/json" in r.json()["error"]["message"]
+    assert httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200

@@ -79,6 +79,13 @@ class ClientDisconnected(Exception):
 _EMPTY_BODY = "the body is empty: send a JSON object of the request's fields"
 
 
+def _json_media_type(content_type: str) -> bool:
+    """Whether a Content-Type is JSON's, as FastAPI reads a body as JSON: ``application/json``
+    or ``application/*+json`` (parameters such as ``charset`` aside; ``text/json`` is not)."""
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 # nginx's "client closed request": the status of a response no client reads (the server keeps
 # no access log; the request counts as "cancelled" in the request outcomes)
 CLIENT_CLOSED_REQUEST = 499
@@ -263,7 +270,7 @@ class OpenAIServer:
         content_type = request.headers.get("content-type", "").lower()   # (media types are case-insensitive)
         if list(err.get("loc", ())) == ["body"] and err.get("type") == "missing" and "json" in content_type:
             return JSONResponse(oa.error_body(400, _EMPTY_BODY), status_code=400)
-        if list(err.get("loc", ())) == ["body"] and "json" not in content_type:   # e.g. curl -d: a form body
+        if list(err.get("loc", ())) == ["body"] and not _json_media_type(content_type):   # e.g. curl -d: a form body
             return JSONResponse(oa.error_body(400, f"the body must be a JSON object sent as application/json "
                                                    f"(Content-Type here: {content_type or 'none'})"), status_code=400)
         # loc is (body, field, [index | nested field | pydantic's union member tag]...): the
@@ -352,7 +359,7 @@ class OpenAIServer:
             if body.messages is not None and body.prompt is not None:
                 raise ValueError("prompt and messages: send one or the other, not both")
             if body.messages is not None:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                messages = oa.message_dicts(body.messages)
                 ids = await self.service.llm.tokenizing(self.service.chat_prompt, messages, body.add_generation_prompt,
                                                         size=self.service.chat_size(messages))
             elif body.prompt is not None:
@@ -372,7 +379,7 @@ class OpenAIServer:
     async def detokenize(self, body: oa.DetokenizeRequest):
         try:
             ignored = self._check_body(body)
-            text = self.service.detokenize(body.tokens, name="tokens")
+            text = self.service.detokenize(body.tokens, body.skip_special_tokens, name="tokens")
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         self._log_ignored(ignored)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import MAX_LOGPROBS
 
@@ -23,9 +23,24 @@ PROMPT_FORMS = ("must be a string, a list of strings, a list of token ids (integ
                 "of token ids")   # a completion prompt's accepted forms, for errors
 
 
+class _NullIsDefault(BaseModel):
+    """A body whose fields named in ``null_is_default`` take their default when sent as JSON
+    null, as OpenAI's and vLLM's servers take ``"stream": null`` (QA, session 42: a 400)."""
+
+    null_is_default: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        if isinstance(data, dict) and cls.null_is_default:
+            return {k: v for k, v in data.items() if not (v is None and k in cls.null_is_default)}
+        return data
+
+
 # strict: a wrong JSON type is a 400 naming the field (true is not 1, "yes" is not true)
-class StreamOptions(BaseModel):
+class StreamOptions(_NullIsDefault):
     model_config = ConfigDict(extra="allow", strict=True)   # (unknown fields: logged, ignored)
+    null_is_default: ClassVar[tuple[str, ...]] = ("include_usage", "continuous_usage_stats")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -37,8 +52,10 @@ CONSTRAINING_EXTRAS = ("functions", "guided_json", "guided_regex", "guided_choic
                        "structured_outputs")
 
 
-class _Sampling(BaseModel):
+class _Sampling(_NullIsDefault):
     """Fields shared by completions and chat completions."""
+
+    null_is_default: ClassVar[tuple[str, ...]] = ("n", "stream")
 
     #: fields outside the route's declared ones that it reads (refused or accepted), so not
     #: logged as ignored (QA: an accepted ``function_call: "auto"`` was)
@@ -87,7 +104,7 @@ class _Sampling(BaseModel):
             if extra.get(name) is not None:
                 raise ValueError(f"{name} is not supported (there is no structured output or tool calling)")
         form = extra.get("response_format")   # (chat declares it; a completion gets vLLM's extra)
-        if form is not None and not (isinstance(form, dict) and form.get("type") in (None, "text")):
+        if form is not None and not (isinstance(form, dict) and form.get("type") == "text"):
             raise ValueError("response_format: only {'type': 'text'} is supported")
         bias = None
         if self.logit_bias:
@@ -116,6 +133,8 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
+
+    null_is_default: ClassVar[tuple[str, ...]] = ("n", "stream", "echo")
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16   # absent: 16 (OpenAI's legacy default); null: see sampling_values
@@ -152,6 +171,8 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix is not supported")
         max_tokens = self.max_tokens if self.max_tokens is not None or room is None else max(room, 1)
         if self.echo_only:   # one token is generated, then left out of the answer
+            if isinstance(self.min_tokens, int) and self.min_tokens > 0:   # (QA, session 42: taken)
+                raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens (0)")
             max_tokens = 1
         values = dict(self.common_values(), max_tokens=max_tokens, logprobs=self.logprobs)
         if self.echo and values["prompt_logprobs"] is None:   # echo + logprobs: the prompt's too (vLLM)
@@ -194,6 +215,8 @@ class ChatCompletionRequest(_Sampling):
                                                   "continue_final_message", "echo")
     checked_extras: ClassVar[tuple[str, ...]] = CONSTRAINING_EXTRAS + ("function_call",) + TEMPLATE_EXTRAS
 
+    null_is_default: ClassVar[tuple[str, ...]] = ("n", "stream", "logprobs", "add_generation_prompt")
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -227,7 +250,7 @@ class ChatCompletionRequest(_Sampling):
         if self.tool_choice not in (None, "none", "auto"):   # a tool call asked for: none can come
             raise ValueError(f"tool_choice {self.tool_choice!r} needs tools, which are not supported "
                              f"(only 'none' or 'auto', which give text)")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
+        if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError("response_format: only {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
@@ -238,14 +261,24 @@ class ChatCompletionRequest(_Sampling):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if isinstance(self.min_tokens, int) and max_tokens is not None and self.min_tokens > max_tokens:
+            sent = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds {sent} ({max_tokens})")
         return dict(self.common_values(), max_tokens=max_tokens if max_tokens is not None else max(room, 1),
                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
     def message_dicts(self) -> list[dict[str, str]]:
-        for i, m in enumerate(self.messages):
-            if (m.content is None or m.content == []) and m.role != "assistant":   # no parts: none either
-                raise ValueError(f"messages: message {i} (role {m.role!r}) has no content")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return message_dicts(self.messages)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template takes them (``{"role", "content"}``, content as text).
+    Raises ``ValueError`` for a message without content (an assistant's may have none) or
+    with a part that is not text."""
+    for i, m in enumerate(messages):
+        if (m.content is None or m.content == []) and m.role != "assistant":   # no parts: none either
+            raise ValueError(f"messages: message {i} (role {m.role!r}) has no content")
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 class TokenizeRequest(BaseModel):
@@ -261,6 +294,9 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)   # (unknown fields: logged, ignored)
     model: str | None = None
     tokens: list[int]
+    # special tokens kept by default, as vLLM's /detokenize (tokenizer.decode) keeps them, so
+    # /tokenize's ids of a chat come back with their template's markers
+    skip_special_tokens: bool = False
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
