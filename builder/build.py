@@ -242,8 +242,10 @@ def build_engine(model: str, output: str, build_config: BuildConfig | None = Non
             kernel_models[f"{kind}.kernels.onnx"] = fuse_decoder_layers(
                 with_kv_write_in_op(without_attention_metadata(graph)))
             if not quantized:   # float32 linears as FloatLinear (their panels join the weights)
-                model, replaced = use_float_linears(kernel_models[f"{kind}.kernels.onnx"], store)
-                if replaced:
+                # (only where every one is: the runner holds these graphs' weights itself, and a
+                # Gemm left over would keep a prepacked copy beside it)
+                model, replaced, left = use_float_linears(kernel_models[f"{kind}.kernels.onnx"], store)
+                if replaced and not left:
                     float_linear_models[f"{kind}.kernels.float_linear.onnx"] = fuse_decoder_layers(model)
         if float_linear_models:
             _log(f"float32 linears as FloatLinear in {sorted(float_linear_models)} (their weights also "

@@ -442,7 +442,8 @@ def use_float_linears(model, store):
         model: ``onnx.ModelProto`` whose initializers are ``store``'s; left unchanged.
         store: the engine's :class:`builder.onnx_graph.WeightStore` (written after this).
     Returns:
-        ``(new model, number of Gemm nodes replaced)``.
+        ``(new model, number of Gemm nodes replaced, number of Gemm / MatMul nodes left over a
+        float32 weight of ``store``)`` (a bias, another layout: Qwen2's QKV, GPT-2's linears).
     """
     import onnx
     from onnx import helper
@@ -451,15 +452,27 @@ def use_float_linears(model, store):
     out.CopyFrom(model)
     graph = out.graph
     initializers = {i.name for i in graph.initializer}
-    replaced, nodes = 0, []
-    for node in graph.node:
+
+    def replaceable(node) -> bool:
         a = _attributes(node)
         weight = node.input[1] if node.op_type == "Gemm" and node.domain == "" and len(node.input) == 2 else None
-        if (weight is None or weight not in initializers or weight not in store.arrays
-                or store.arrays[weight].dtype != np.float32 or store.arrays[weight].ndim != 2
-                or a.get("transB") != 1 or a.get("transA", 0) != 0 or a.get("alpha", 1.0) != 1.0):
+        return (weight is not None and weight in initializers and weight in store.arrays
+                and store.arrays[weight].dtype == np.float32 and store.arrays[weight].ndim == 2
+                and a.get("transB") == 1 and a.get("transA", 0) == 0 and a.get("alpha", 1.0) == 1.0)
+
+    def float_linear(node) -> bool:   # any GEMM over a float32 weight of the store
+        return (node.op_type in ("Gemm", "MatMul") and node.domain == "" and len(node.input) > 1
+                and node.input[1] in store.arrays and store.arrays[node.input[1]].dtype == np.float32)
+
+    left = sum(float_linear(node) and not replaceable(node) for node in graph.node)
+    if left:   # (their panels are not stored either)
+        return out, 0, left
+    replaced, nodes = 0, []
+    for node in graph.node:
+        if not replaceable(node):
             nodes.append(node)
             continue
+        weight = node.input[1]
         n, k = store.arrays[weight].shape
         panels = weight + PANELS_SUFFIX
         if panels not in store.arrays:
@@ -468,7 +481,7 @@ def use_float_linears(model, store):
                                       name=node.name, domain=DOMAIN, N=n, K=k))
         replaced += 1
     if not replaced:
-        return out, 0
+        return out, 0, left
     del graph.node[:]
     graph.node.extend(nodes)
     used = {name for node in graph.node for name in node.input}
@@ -477,4 +490,4 @@ def use_float_linears(model, store):
     del graph.initializer[:]
     graph.initializer.extend(kept)
     graph.initializer.extend(store.initializer_protos(new))
-    return out, replaced
+    return out, replaced, left

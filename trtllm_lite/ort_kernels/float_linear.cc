@@ -41,6 +41,7 @@ constexpr int64_t kPanel = 32;          // weight rows per panel (two 16-float v
 constexpr int kTileRows = 14;           // rows of x per register tile over one panel (M > 1)
 constexpr int kPairRows = 6;            // and over two panels (a group's: 64 outputs)
 constexpr int64_t kGroupPanels = 2;     // panels per work item (M > 1)
+constexpr int64_t kItemsPerCore = 16;   // M > 1: at least this many work items a core, where rows allow
 constexpr int64_t kPrefetchBytes = 1024;   // the loops' software prefetch distance, per stream
 constexpr int64_t kBlockBytes = 512 << 10;   // x's rows a pass over the panels takes (M > 1): ~half an L2
 
@@ -49,6 +50,7 @@ struct Step {
   const float* panels = nullptr;
   float* y = nullptr;         // [M, N]
   int64_t m = 0, n = 0, k = 0;
+  int64_t row_parts = 1;      // M > 1: each group's rows in this many work items (the tiles' rows apart)
 };
 
 // Rows [0, ROWS) of x (row stride k_len) times PANELS adjacent panels (32 PANELS outputs) into
@@ -159,24 +161,28 @@ void run_gemv_panel(void* user, size_t item) {
   if (out == edge) std::memcpy(st.y + col, edge, sizeof(float) * width);
 }
 
-// M > 1's work item: group g of kGroupPanels panels (an odd count's last group: one), every row
-// of x; the group's first tile brings its panels in (prefetched), the rest read them from L2.
+// M > 1's work item: group g of kGroupPanels panels (an odd count's last group: one) over one
+// of the row_parts parts of x's rows; the part's first tile brings the panels in (prefetched),
+// the rest read them from L2.
 void run_group(void* user, size_t item) {
   const Step& st = *static_cast<const Step*>(user);
   const int64_t num_panels = (st.n + kPanel - 1) / kPanel;
-  const int64_t p = static_cast<int64_t>(item) * kGroupPanels;
+  const int64_t part = static_cast<int64_t>(item) % st.row_parts;
+  const int64_t p = static_cast<int64_t>(item) / st.row_parts * kGroupPanels;
   const int panels = static_cast<int>(std::min(kGroupPanels, num_panels - p));
   const int64_t col = p * kPanel, width = std::min(panels * kPanel, st.n - col), group_width = panels * kPanel;
   const bool whole = width == group_width;   // (the last panel of an N that is not a multiple of 32: a buffer first)
   const int most = panels == 2 ? kPairRows : kTileRows;
   float edge[kTileRows * kPanel];   // (>= kPairRows x 64)
-  for (int64_t r0 = 0; r0 < st.m; r0 += most) {
-    const int rows = static_cast<int>(std::min<int64_t>(most, st.m - r0));
+  const int64_t tiles = (st.m + most - 1) / most;   // the part's rows: whole tiles, split evenly
+  const int64_t first = tiles * part / st.row_parts * most, last = std::min(st.m, tiles * (part + 1) / st.row_parts * most);
+  for (int64_t r0 = first; r0 < last; r0 += most) {
+    const int rows = static_cast<int>(std::min<int64_t>(most, last - r0));
     float* out = whole ? st.y + r0 * st.n + col : edge;
     const int64_t ldo = whole ? st.n : group_width;
     const float* panel = st.panels + p * st.k * kPanel;
 #ifdef __AVX512F__
-    kTiles[panels - 1][r0 == 0][rows](panel, st.x + r0 * st.k, st.k, out, ldo);
+    kTiles[panels - 1][r0 == first][rows](panel, st.x + r0 * st.k, st.k, out, ldo);
 #else
     for (int q = 0; q < panels; ++q)
       tile_portable(panel + q * st.k * kPanel, st.x + r0 * st.k, st.k, rows, out + q * kPanel, ldo);
@@ -229,9 +235,14 @@ struct Kernel : KernelBase {
       st.m = std::min(block_rows, rows - r0);
       st.x = x_all + r0 * k;
       st.y = y_all + r0 * n;
-      const size_t groups = static_cast<size_t>((num_panels + kGroupPanels - 1) / kGroupPanels);
-      RETURN_IF_ERROR(parallel_for(context, run_group, groups, &st, st.m * n * k < kSerialWork,
-                                   std::min(groups, available_cores())));
+      // few groups (N = 576: 9) split 5 / 4 over two cores lost ~10% of those linears: then
+      // each group's rows are parts of their own, for at least kItemsPerCore items a core
+      const int64_t groups = (num_panels + kGroupPanels - 1) / kGroupPanels;
+      const int64_t wanted = kItemsPerCore * static_cast<int64_t>(available_cores());
+      st.row_parts = std::max<int64_t>(1, std::min((wanted + groups - 1) / groups, (st.m + kPairRows - 1) / kPairRows));
+      const size_t items = static_cast<size_t>(groups * st.row_parts);
+      RETURN_IF_ERROR(parallel_for(context, run_group, items, &st, st.m * n * k < kSerialWork,
+                                   std::min(items, available_cores())));
     }
     return nullptr;
   }

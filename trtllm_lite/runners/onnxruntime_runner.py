@@ -3,9 +3,10 @@
 Memory:
   * weights, default (prepacking on): one session (the prefill graph, which also runs
     decode steps) reads ``weights.bin`` and repacks its GEMM weights once; the weights live
-    in memory once. With ``OrtOptions(enable_prepacking=False)``: ``weights.bin`` is read
-    once into one numpy buffer and every initializer of both sessions is an OrtValue view of
-    it (``SessionOptions.add_initializer``).
+    in memory once. With ``OrtOptions(enable_prepacking=False)``, and for a float32 engine's
+    ``FloatLinear`` graphs (nothing to repack): the tensors the graphs read are read once into
+    one buffer on transparent huge pages (:func:`load_weights`) and every initializer is an
+    OrtValue view of it (``SessionOptions.add_initializer``), shared by both sessions.
   * KV pools: ``key_cache`` / ``value_cache`` ``[num_layers, num_blocks, block_size,
     num_kv_heads, head_dim]`` numpy arrays, float32 or float16 (build's kv_cache_dtype; float16
     halves the bytes a block holds and attention reads). Each layer's slice is bound once as an
@@ -52,26 +53,49 @@ def read_weight(engine: EngineDir, name: str) -> np.ndarray:
 
 
 def load_weights(engine: EngineDir, files: list[str] | None = None) -> dict[str, np.ndarray]:
-    """Read ``weights.bin`` once; return ``name -> view`` per the manifest's weight table.
-    With ``files`` (graph files), only the tensors those graphs read, where the manifest lists
-    them (``graph_weights``: a float32 engine's ``FloatLinear`` graphs read its weights' panels,
-    the others the weights themselves; each set is what one copy in memory should hold)."""
+    """Read the weights into one buffer of this process's own; return ``name -> view`` per the
+    manifest's weight table. With ``files`` (graph files), only the tensors those graphs read,
+    where the manifest lists them (``graph_weights``: a float32 engine's ``FloatLinear`` graphs
+    read its weights' panels, the others the weights themselves; each set is what one copy in
+    memory should hold).
+
+    The buffer is anonymous memory the kernel is asked to back with 2 MiB pages
+    (:func:`huge_page_buffer`): a decode step streams every weight, and on 4 KiB pages each
+    page costs a TLB miss and stops the hardware prefetcher at its edge (ONNX Runtime maps
+    ``weights.bin`` itself, on 4 KiB pages, where it reads the file)."""
     info = engine.manifest["weights"]
     tensors = info["tensors"]
     listed = engine.manifest.get("graph_weights") or {}
     if files and all(f in listed for f in files):
         wanted = set().union(*(listed[f] for f in files))
         tensors = {name: t for name, t in tensors.items() if name in wanted}
-    if not tensors:
-        return {}
-    path = engine.file(info["file"])
-    if len(tensors) == len(info["tensors"]):
-        buffer = np.fromfile(path, dtype=np.uint8)
-        return {name: _tensor(buffer[t["offset"]:t["offset"] + t["nbytes"]], t) for name, t in tensors.items()}
-    out = {}   # only what the graphs read: each tensor its own buffer
-    for name, t in tensors.items():
-        out[name] = _tensor(np.fromfile(path, dtype=np.uint8, count=t["nbytes"], offset=t["offset"]), t)
-    return out
+    places, size = {}, 0
+    for name, t in tensors.items():   # 64-byte aligned
+        size = -(-size // 64) * 64
+        places[name] = size
+        size += t["nbytes"]
+    buffer = huge_page_buffer(size)
+    with open(engine.file(info["file"]), "rb") as f:
+        for name, t in sorted(tensors.items(), key=lambda item: item[1]["offset"]):
+            f.seek(t["offset"])
+            if f.readinto(memoryview(buffer[places[name]:places[name] + t["nbytes"]])) != t["nbytes"]:
+                raise ValueError(f"engine {engine.path!r}: {info['file']} ends inside weight {name!r}")
+    return {name: _tensor(buffer[places[name]:places[name] + t["nbytes"]], t) for name, t in tensors.items()}
+
+
+def huge_page_buffer(size: int) -> np.ndarray:
+    """``size`` bytes (uint8, zeroed) of anonymous memory advised onto transparent huge pages
+    where the kernel offers them (Linux ``MADV_HUGEPAGE``; elsewhere plain pages)."""
+    import mmap
+
+    # private: Python's default anonymous map is shared memory, which these pages do not reach
+    region = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:   # (a kernel without transparent huge pages)
+            pass
+    return np.frombuffer(region, np.uint8, count=size)
 
 
 def run_options() -> ort.RunOptions:
@@ -277,17 +301,18 @@ def create_sessions(engine: EngineDir, num_threads: int | None = None,
     """
     options = options or OrtOptions()
     prepacking = uses_prepacking(engine, options)
-    if prepacking:      # ONNX Runtime reads weights.bin itself and keeps only what it repacks
-        values = {}
-    else:
-        files = files or graph_files(engine, options.accuracy_level, kernels_registered(options),
-                                     uses_float_linears(options))
+    files = files or graph_files(engine, options.accuracy_level, kernels_registered(options),
+                                 uses_float_linears(options))
+    # FloatLinear graphs (a float32 engine's, builder.fused_ops.use_float_linears) have nothing
+    # to repack: their weights go into this process's huge-page buffer (load_weights)
+    float_graphs = (engine.manifest.get("graph_variants", {}).get("float_linear_kernels") or {}).values()
+    if not prepacking or any(f in float_graphs for f in files.values()):
         weights = weights if weights is not None else load_weights(
             engine, [f for kind, f in files.items() if kinds is None or kind in kinds])
         values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in weights.items()}
+    else:               # ONNX Runtime reads weights.bin itself and keeps only what it repacks
+        values = {}
     sessions = {}
-    files = files or graph_files(engine, options.accuracy_level, kernels_registered(options),
-                                 uses_float_linears(options))
     unsigned = uses_uint8_weights(engine, options)
     converted: dict[str, np.ndarray] = {}   # uint8 weights, made once for both graphs
     uint8: dict[str, np.ndarray] = {}
