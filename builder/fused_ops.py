@@ -77,7 +77,13 @@ the halves' width, twice x's) and x ``[T, K / 2]`` once::
 
 ``trtllm_lite::DecoderLayer`` (no function body: only in the kernels' graphs,
 :func:`fuse_decoder_layers`) is a Llama layer over 4-bit (or split 8-bit) linears, its ten
-nodes in one.
+nodes in one; ``trtllm_lite::FloatDecoderLayer`` the same over ``FloatLinear``s.
+
+``trtllm_lite::FloatLinear`` (attributes ``N``, ``K``; no function body: only in a float32
+engine's ``*.kernels.float_linear.onnx`` graphs, :func:`use_float_linears`)::
+
+    x [T, K] float32, panels [ceil(N / 32), K, 32] float32 (:func:`float_linear_panels`)
+      -> x @ W^T   [T, N] float32
 """
 from __future__ import annotations
 
@@ -347,7 +353,9 @@ def fuse_decoder_layers(model):
 
     (each weight: ``qweight, scales, zero_points``). The op has no ONNX function body: only
     sessions with trtllm-lite's kernels registered take these graphs. Layers that are not that
-    chain (biases, mixed linears, fp32 or w8a8 engines, GPT-2) are left as they are.
+    chain (biases, mixed linears, w8a8 engines, GPT-2) are left as they are. Layers over
+    ``FloatLinear`` nodes (:func:`use_float_linears`) become ``trtllm_lite::FloatDecoderLayer``
+    nodes, the same inputs with one panels tensor a linear and no offsets.
 
     Measured on SmolLM2 int4 at batch 1 (2-core Zen 4 VM, docs/benchmarks.md session 33): ~340
     -> ~40 nodes a step; ONNX Runtime's work outside trtllm-lite's kernels 0.54 -> 0.19 ms a

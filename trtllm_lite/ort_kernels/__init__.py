@@ -16,7 +16,8 @@ ONNX Runtime custom operators in the ``trtllm_lite`` domain (``register.cc`` add
   ``docs/quantization.md``);
 * ``FloatLinear`` (``float_linear.cc``): a float32 linear over its weight in 32-row panels, in
   place of Gemm in a float32 engine's AVX-512 kernels graphs (``builder.fused_ops.use_float_linears``);
-* ``DecoderLayer`` (``decoder_layer.cc``): a Llama-family layer over 4-bit (or split 8-bit) linears in one node,
+* ``DecoderLayer`` / ``FloatDecoderLayer`` (``decoder_layer.cc``): a Llama-family layer over 4-bit (or split
+  8-bit) linears, or over ``FloatLinear``'s, in one node,
   its parts the kernels above (``builder.fused_ops.fuse_decoder_layers``; only in the
   ``*.kernels.onnx`` graphs, which only sessions with this library read: it has no function
   body).

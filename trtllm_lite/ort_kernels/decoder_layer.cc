@@ -1,6 +1,8 @@
 // trtllm_lite::DecoderLayer: a Llama-family decoder layer of a 4-bit (or split 8-bit) engine in
 // one node, from its attention's input norm's output to the next layer's (or the final) norm
-// (builder/fused_ops.py fuse_decoder_layers writes it into the *.kernels.onnx graphs):
+// (builder/fused_ops.py fuse_decoder_layers writes it into the *.kernels.onnx graphs);
+// trtllm_lite::FloatDecoderLayer is the same layer over FloatLinear's (float_linear.cc) in a
+// float32 engine's *.kernels.float_linear.onnx graphs, its inputs kFloatSlots below:
 //
 //   qkv   = QuantizedLinear(normed_in)                     [T, (H + 2 Hkv) D]
 //   q, k, v = RotarySplitQKV(qkv, positions, cos, sin)
