@@ -295,3 +295,7 @@ def test_ort_options_from_the_environment():
     assert o.w8a8_uint8_weights is False and o.intra_op_num_threads == 3 and o.allow_spinning is False
     with pytest.raises(ValueError, match="TRTLLM_LITE_ORT_THREADS must be an integer, got 'abc'"):   # (QA: unnamed)
         OrtOptions.from_env({"TRTLLM_LITE_ORT_THREADS": "abc"})
+    assert OrtOptions.from_env({"TRTLLM_LITE_ORT_FLOAT_LINEAR": "OFF"}).float_linear_kernels is False
+    with pytest.raises(ValueError, match="TRTLLM_LITE_ORT_FLOAT_LINEAR must be 1/true/yes/on or "
+                                         "0/false/no/off, got 'disable'"):   # (QA, session 42: read as on)
+        OrtOptions.from_env({"TRTLLM_LITE_ORT_FLOAT_LINEAR": "disable"})

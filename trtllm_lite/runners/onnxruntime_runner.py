@@ -137,7 +137,10 @@ class OrtOptions:
             the whole weight, SmolLM2 int4 decodes at 1.5 tokens/s); for float32 Gemm it
             measured 1.1x (batch 64) to 1.46x (batch 1, one thread) faster for +94 MB RSS
             on SmolLM2 (the packed lm_head beside the embedding table). Off: both sessions
-            share one numpy copy of ``weights.bin`` (``SessionOptions.add_initializer``).
+            share one numpy copy of ``weights.bin`` (``SessionOptions.add_initializer``). A
+            float32 engine's ``FloatLinear`` graphs repack nothing: either way the runner
+            holds the tensors they read (the panels, and the embedding table a tied lm_head's
+            panels sit beside).
         allow_spinning: intra-op worker threads spin between operators instead of sleeping
             (lower latency on idle cores; wasted cycles when the cores are shared).
         custom_kernels: register trtllm-lite's C++ kernels (:mod:`trtllm_lite.ort_kernels`,
@@ -181,10 +184,18 @@ class OrtOptions:
     @classmethod
     def from_env(cls, environ=os.environ, **overrides) -> "OrtOptions":
         """Options from ``TRTLLM_LITE_ORT_*`` variables, then ``overrides`` (``None`` skipped).
-        Raises ``ValueError`` naming a variable whose value is not an integer."""
+        Raises ``ValueError`` naming a variable whose value is not an integer, or not one of
+        1/true/yes/on and 0/false/no/off for an on/off option."""
         def flag(name):   # (set but empty counts as unset)
             v = environ.get(name, "").strip()
-            return None if not v else v.lower() not in ("0", "false", "no", "off")
+            if not v:
+                return None
+            if v.lower() in ("1", "true", "yes", "on"):
+                return True
+            if v.lower() in ("0", "false", "no", "off"):
+                return False
+            # (QA, session 42: "disable" read as on)
+            raise ValueError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {v!r}")
 
         def integer(name):
             v = environ.get(name, "").strip()
