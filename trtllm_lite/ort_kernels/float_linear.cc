@@ -16,15 +16,20 @@
 //     first and second halves of K, summed at the end) with software prefetch 1 KiB ahead in
 //     each: one 64-byte vector of 16 rows per column, multiplied by x[k] broadcast. 538 MB in
 //     ~15 ms (~36 GB/s) on that VM, against MLAS's ~19 ms.
-//   M > 1 (compute-bound as M grows): register tiles of up to 14 rows of x x 32 outputs (28
-//     accumulators; per column two vector loads, 14 broadcasts, 28 FMAs), the panel read from
-//     memory by the first tile (prefetched) and from L2 by the rest: 287 / 363 / 344 GFLOP/s
-//     at M = 64 / 256 / 1024 on that VM, against MLAS's 270 / 340 / 356 through ONNX Runtime.
+//   M > 1 (compute-bound as M grows): register tiles of up to 6 rows of x x 64 outputs (two
+//     panels, 24 accumulators; per column four vector loads, 6 broadcasts, 24 FMAs; an odd
+//     panel count's last panel alone, up to 14 rows x 32), over blocks of x's rows that stay in
+//     L2 (kBlockBytes) while the panels go by. A work item is a group of two panels over a part
+//     of the block's rows (where there are few groups, their rows split so each core gets at
+//     least kItemsPerCore items: N = 576's 9 groups went 5 / 4 over two cores); its first tile
+//     brings the panels in (prefetched), the rest read them from L2. Chains of SmolLM2's 120
+//     layer GEMMs through ONNX Runtime on that VM: 269 / 315 / 333 GFLOP/s at M = 64 / 256 /
+//     512, against MLAS's 268-290 / 332-374 / 343-355.
 //
 // Each output is one float32 sum over k in a fixed order for a given M (the summation order
-// differs from MLAS's, so results agree to float32 rounding, not bit for bit). Work items are
-// panels, one contiguous range per core. Without AVX-512 the same layout runs a portable loop
-// (correct everywhere; the runtime picks these graphs only on AVX-512 CPUs).
+// differs from MLAS's, so results agree to float32 rounding, not bit for bit). Work is handed
+// out as one contiguous range of items per core. Without AVX-512 the same layout runs a
+// portable loop (correct everywhere; the runtime picks these graphs only on AVX-512 CPUs).
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -231,14 +236,14 @@ struct Kernel : KernelBase {
     const float* x_all = st.x;
     float* y_all = st.y;
     const int64_t rows = st.m;
+    // few groups (N = 576: 9) split 5 / 4 over two cores lost ~10% of those linears: then each
+    // group's rows are parts of their own, for at least kItemsPerCore items a core
+    const int64_t groups = (num_panels + kGroupPanels - 1) / kGroupPanels;
+    const int64_t wanted = kItemsPerCore * static_cast<int64_t>(available_cores());
     for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
       st.m = std::min(block_rows, rows - r0);
       st.x = x_all + r0 * k;
       st.y = y_all + r0 * n;
-      // few groups (N = 576: 9) split 5 / 4 over two cores lost ~10% of those linears: then
-      // each group's rows are parts of their own, for at least kItemsPerCore items a core
-      const int64_t groups = (num_panels + kGroupPanels - 1) / kGroupPanels;
-      const int64_t wanted = kItemsPerCore * static_cast<int64_t>(available_cores());
       st.row_parts = std::max<int64_t>(1, std::min((wanted + groups - 1) / groups, (st.m + kPairRows - 1) / kPairRows));
       const size_t items = static_cast<size_t>(groups * st.row_parts);
       RETURN_IF_ERROR(parallel_for(context, run_group, items, &st, st.m * n * k < kSerialWork,
