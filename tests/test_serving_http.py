@@ -1312,6 +1312,24 @@ def test_request_checks_found_by_qa_42(server, smollm2_llm):
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 0, "echo": True, "min_tokens": 1},
                    timeout=60)
     assert r.status_code == 400 and "min_tokens (1) exceeds max_tokens (0)" in r.json()["error"]["message"]
+    # min_tokens past a max_tokens the client did not send names the one in effect (QA, session 42)
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "min_tokens": 20}, timeout=60)
+    assert r.status_code == 400 and "min_tokens (20) exceeds max_tokens (16, the default)" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "min_tokens": 2000}, timeout=60)
+    assert r.status_code == 400 and re.search(r"min_tokens \(2000\) exceeds the \d+ tokens left after the prompt",
+                                              r.json()["error"]["message"])
+    # an empty stream_options asks for nothing (vLLM takes it without stream); null flags on the
+    # tokenizer routes are their defaults too
+    assert httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream_options": {}},
+                      timeout=60).status_code == 200
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                   "stream_options": {"include_usage": True}}, timeout=60)
+    assert r.status_code == 400 and "stream_options is only allowed with stream=true" in r.json()["error"]["message"]
+    nulls = httpx.post(f"{base}/tokenize", json={"messages": MESSAGES, "add_generation_prompt": None,
+                                                 "add_special_tokens": None}, timeout=60).json()["tokens"]
+    assert nulls == ids
+    assert httpx.post(f"{base}/detokenize", json={"tokens": ids, "skip_special_tokens": None},
+                      timeout=60).json()["prompt"] == text
     r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}',
                    headers={"Content-Type": "text/json"}, timeout=60)
     assert r.status_code == 400 and "Content-Type here: text/json" in r.json()["error"]["message"]

@@ -97,7 +97,8 @@ class _Sampling(_NullIsDefault):
                              "(as in vLLM): a streamed answer does not carry them")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
-        if self.stream_options is not None and not self.stream:   # as OpenAI and vLLM refuse it
+        options = self.stream_options   # (an empty object, as vLLM takes it, asks for nothing)
+        if options is not None and (options.model_fields_set or options.model_extra) and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         extra = self.model_extra or {}
         for name in CONSTRAINING_EXTRAS:   # ignoring them would give unconstrained text as if obeyed
@@ -171,9 +172,11 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix is not supported")
         max_tokens = self.max_tokens if self.max_tokens is not None or room is None else max(room, 1)
         if self.echo_only:   # one token is generated, then left out of the answer
-            if isinstance(self.min_tokens, int) and self.min_tokens > 0:   # (QA, session 42: taken)
-                raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens (0)")
+            check_min_tokens(self.min_tokens, 0, "max_tokens")   # (QA, session 42: taken)
             max_tokens = 1
+        elif max_tokens is not None:   # absent: the default 16; null: what the prompt leaves
+            check_min_tokens(self.min_tokens, max_tokens, "max_tokens" if self.max_tokens is not None else None,
+                             default="max_tokens" not in self.model_fields_set)
         values = dict(self.common_values(), max_tokens=max_tokens, logprobs=self.logprobs)
         if self.echo and values["prompt_logprobs"] is None:   # echo + logprobs: the prompt's too (vLLM)
             values["prompt_logprobs"] = self.logprobs
@@ -261,14 +264,31 @@ class ChatCompletionRequest(_Sampling):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if isinstance(self.min_tokens, int) and max_tokens is not None and self.min_tokens > max_tokens:
-            sent = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds {sent} ({max_tokens})")
+        sent = ("max_completion_tokens" if self.max_completion_tokens is not None
+                else "max_tokens" if self.max_tokens is not None else None)
+        check_min_tokens(self.min_tokens, max_tokens if max_tokens is not None else max(room, 1), sent)
         return dict(self.common_values(), max_tokens=max_tokens if max_tokens is not None else max(room, 1),
                     logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
     def message_dicts(self) -> list[dict[str, str]]:
         return message_dicts(self.messages)
+
+
+def check_min_tokens(min_tokens, max_tokens: int, sent: str | None, default: bool = False) -> None:
+    """Refuse ``min_tokens`` above the ``max_tokens`` in effect, naming where that came from:
+    the field ``sent``, OpenAI's legacy default (``default``: completions' 16), or, with neither,
+    the tokens left in ``max_model_len`` after the prompt (QA, session 42: the message named a
+    ``max_tokens`` the client never sent, and no number). A ``min_tokens`` that is not an integer
+    is ``SamplingParams``' to refuse."""
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens <= max_tokens:
+        return
+    if default:
+        where = f"max_tokens ({max_tokens}, the default)"
+    elif sent:
+        where = f"{sent} ({max_tokens})"
+    else:
+        where = f"the {max_tokens} tokens left after the prompt (max_model_len)"
+    raise ValueError(f"min_tokens ({min_tokens}) exceeds {where}")
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -281,8 +301,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text()} for m in messages]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_NullIsDefault):
     model_config = ConfigDict(extra="allow", strict=True)   # (unknown fields: logged, ignored)
+    null_is_default: ClassVar[tuple[str, ...]] = ("add_special_tokens", "add_generation_prompt")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -290,8 +311,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_NullIsDefault):
     model_config = ConfigDict(extra="allow", strict=True)   # (unknown fields: logged, ignored)
+    null_is_default: ClassVar[tuple[str, ...]] = ("skip_special_tokens",)
     model: str | None = None
     tokens: list[int]
     # special tokens kept by default, as vLLM's /detokenize (tokenizer.decode) keeps them, so
